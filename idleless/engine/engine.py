@@ -1,0 +1,224 @@
+"""Offline ``Engine``: the engine core in-process, with the text layer in front.
+
+    from idleless import Engine, SamplingParams
+    engine = Engine()                                   # the bundled SmolLM2-135M-Instruct
+    out = engine.generate("The capital of France is", SamplingParams(max_new_tokens=8))
+    print(out.text)
+
+``generate`` takes text prompts, token-id lists or chat message lists, one or many, and blocks.
+``generate_stream`` is an async generator of ``CompletionDelta`` for one prompt. Both may be used
+at once: whichever thread steps the engine dispatches outputs to their owners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import uuid
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
+
+from idleless.config import EngineConfig
+from idleless.engine.core_process import EngineCore
+from idleless.engine.request import Request, RequestError, RequestOutput, SamplingParams
+from idleless.text.output import CompletionDelta, CompletionOutput, RequestState
+from idleless.text.tokenizer import Tokenizer
+
+Prompt = Union[str, list[int], list[dict]]
+
+
+def _is_single(prompts: Any) -> bool:
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return all(isinstance(p, int) and not isinstance(p, bool) for p in prompts) or \
+            all(isinstance(p, dict) for p in prompts)
+    return False
+
+
+class Engine:
+    """Load a model and serve requests in-process. Keyword arguments are ``EngineConfig`` fields.
+
+    Raises FileNotFoundError / ValueError when the model cannot be loaded."""
+
+    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif kwargs:
+            config = replace(config, **kwargs)
+        self.config = config
+        self.core = EngineCore(config)
+        mc = self.core.runner.model_config
+        self.tokenizer = Tokenizer.load(config.tokenizer or self.core.runner.model_dir,
+                                        extra_eos_ids=mc.eos_token_ids)
+        self.core.scheduler.eos_ids |= set(self.tokenizer.eos_token_ids)
+        self._lock = threading.Lock()
+        self._handlers: dict[str, Callable[[RequestOutput], None]] = {}
+        self._ids = itertools.count()
+        self._wake = threading.Event()
+        self._loop_thread: Optional[threading.Thread] = None
+
+    # -- prompts -----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Text -> ids with the tokenizer (chat=True wraps it as one user message and applies the
+        chat template); a list of ids is taken as is; a list of message dicts gets the chat
+        template. Raises RequestError for anything else."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return list(prompt)
+            if all(isinstance(m, dict) for m in prompt):
+                try:
+                    return self.tokenizer.apply_chat_template(list(prompt))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise RequestError(f"bad chat messages: {e}", param="messages") from e
+        raise RequestError(f"a prompt must be a string, a list of token ids or a list of chat messages, "
+                           f"got {type(prompt).__name__}", param="prompt")
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, handler_for) -> list[RequestState]:
+        """Queue n requests for one prompt; all or none (RequestError leaves nothing queued)."""
+        base = uuid.uuid4().hex[:12]
+        states: list[RequestState] = []
+        with self._lock:
+            try:
+                for i in range(params.n):
+                    p = replace(params, n=1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                                seed=None if params.seed is None else params.seed + i)
+                    rid = f"{base}-{i}"
+                    st = RequestState(rid, i, self.tokenizer, prompt_ids, p)
+                    self._handlers[rid] = handler_for(st)
+                    self.core.add_request(Request(rid, list(prompt_ids), p))
+                    states.append(st)
+            except Exception:
+                for st in states:
+                    self.core.abort(st.rid)
+                for i in range(len(states) + 1):
+                    self._handlers.pop(f"{base}-{i}", None)
+                raise
+        self._wake.set()
+        return states
+
+    # -- stepping ----------------------------------------------------------------------------
+    def _step_once(self) -> bool:
+        with self._lock:
+            if not self.core.has_work():
+                return False
+            outs = self.core.step()
+            for out in outs:
+                h = self._handlers.get(out.rid)
+                if h is not None:
+                    h(out)
+                if out.finished:
+                    self._handlers.pop(out.rid, None)
+        return True
+
+    def _sync_handler(self, st: RequestState):
+        def handle(out: RequestOutput):
+            _, abort = st.process(out)
+            if abort:
+                self.core.abort(st.rid)  # called while holding the lock, inside _step_once
+        return handle
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True, chat: bool = False) -> Union[CompletionOutput, list[CompletionOutput], list[list[CompletionOutput]]]:
+        """Run prompts to completion. One prompt -> one CompletionOutput (a list of n when n > 1);
+        many -> a list of those, in order. Raises RequestError (nothing runs) if any prompt or
+        parameter is invalid."""
+        single = _is_single(prompts)
+        plist = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(plist):
+                raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(plist)
+        encoded = [self.encode_prompt(p, chat) for p in plist]
+        groups: list[list[RequestState]] = []
+        try:
+            for ids, sp in zip(encoded, params):
+                groups.append(self._submit(ids, sp, self._sync_handler))
+        except Exception:
+            with self._lock:
+                for g in groups:
+                    for st in g:
+                        self.core.abort(st.rid)
+                        self._handlers.pop(st.rid, None)
+            raise
+        bar = None
+        if use_tqdm and len(plist) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(len(g) for g in groups), desc="generate", unit="req")
+        pending = [st for g in groups for st in g]
+        while pending:
+            self._step_once()
+            still = [st for st in pending if not st.finished]
+            if bar is not None:
+                bar.update(len(pending) - len(still))
+            pending = still
+            if pending and not self.core.has_work():  # another thread stepped our last outputs
+                self._wake.wait(0.001)
+        if bar is not None:
+            bar.close()
+        results = [[st.result() for st in g] for g in groups]
+        results = [r[0] if len(r) == 1 else r for r in results]
+        return results[0] if single else results
+
+    # -- async streaming ---------------------------------------------------------------------
+    def _ensure_loop_thread(self) -> None:
+        if self._loop_thread is None or not self._loop_thread.is_alive():
+            self._loop_thread = threading.Thread(target=self._run_loop, name="idleless-engine", daemon=True)
+            self._loop_thread.start()
+
+    def _run_loop(self) -> None:
+        while True:
+            if not self._step_once():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    async def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
+                              chat: bool = False) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas of one prompt (n choices interleaved, told apart by ``delta.index``).
+        Cancelling the consumer aborts the request. Raises RequestError before the first delta."""
+        params = sampling_params or SamplingParams()
+        ids = self.encode_prompt(prompt, chat)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def handler_for(st: RequestState):
+            def handle(out: RequestOutput):
+                delta, abort = st.process(out)
+                if abort:
+                    self.core.abort(st.rid)
+                if delta is not None:
+                    loop.call_soon_threadsafe(queue.put_nowait, delta)
+            return handle
+
+        states = self._submit(ids, params, handler_for)
+        self._ensure_loop_thread()
+        try:
+            while not all(st.finished for st in states) or not queue.empty():
+                delta = await queue.get()
+                yield delta
+        finally:
+            unfinished = [st for st in states if not st.finished]
+            if unfinished:
+                with self._lock:
+                    for st in unfinished:
+                        self.core.abort(st.rid)
+                        self._handlers.pop(st.rid, None)
+
+    # -- admin -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Engine totals: requests, prompt/cached/computed/generated tokens, hit rate, KV usage
+        (tokens: total, free, cached, in_use), retractions, steps, forward and schedule seconds."""
+        with self._lock:
+            return self.core.stats()
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache (False while requests run)."""
+        with self._lock:
+            return self.core.control("flush_cache")

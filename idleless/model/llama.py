@@ -1,0 +1,100 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Qwen2, Mistral) with our attention over
+the KV pool. The model never knows about requests: it sees flat token rows and attention metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from idleless.model.attention import AttnMetadata, TorchNativeAttention
+from idleless.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from idleless.model.loader import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused QKV projection ([(H + 2*Hkv) * D, hidden]) and optional bias."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, backend: TorchNativeAttention,
+                meta: AttnMetadata, out_cache_loc):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, self.layer_id, meta, out_cache_loc)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rope, backend, meta, out_cache_loc):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, meta, out_cache_loc)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T] int64, positions [T] int64, ...) -> logits [len(sample_rows), vocab] float32."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, backend, meta, out_cache_loc, sample_rows):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, backend, meta, out_cache_loc)
+        x = self.norm(x[sample_rows])
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(x, w).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor."""
+
+        def get(name):
+            if name not in state_dict:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return state_dict[name]
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+            self.norm.weight.copy_(get("model.norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(get("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = layer.self_attn
+                a.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if a.qkv_proj.bias is not None:
+                    a.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                a.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
+                layer.mlp.gate_up_proj.weight.copy_(
+                    torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                layer.mlp.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))

@@ -1,0 +1,89 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend; turns a ForwardBatch into logits."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from idleless.cache.kv_pool import KVPool
+from idleless.config import EngineConfig
+from idleless.model.attention import TorchNativeAttention
+from idleless.model.llama import LlamaForCausalLM
+from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBatch:
+    """One step's work, flattened over requests (T new tokens in all).
+
+    input_ids, positions, out_cache_loc: int64 [T]; extend_lens / prefix_lens: per request, new
+    tokens this step and tokens whose KV already exists; slot_tables[i]: int64 [prefix+extend]
+    KV slots of request i; sample_rows: int64 [N] rows of T whose logits are wanted (the last new
+    token of each request that samples this step)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    slot_tables: list[torch.Tensor]
+    sample_rows: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` -> bfloat16 when the CPU has native bf16 matmul (AMX / AVX512-BF16), else float32."""
+    if name == "auto":
+        try:
+            flags = open("/proc/cpuinfo").read()
+        except OSError:
+            flags = ""
+        fast_bf16 = torch.cuda.is_available() or "amx_bf16" in flags or "avx512_bf16" in flags
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    """Loads the model named by ``config.model`` and sizes the KV pool from ``config.kv_cache_memory``.
+
+    Raises FileNotFoundError / ValueError from the loader (missing files, unsupported
+    architecture) and ValueError if the KV budget holds no page."""
+
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        torch.set_num_threads(config.resolved_threads())
+        self.config = config
+        self.model_dir = prepare_model_dir(config.model)
+        self.model_config = mc = load_model_config(self.model_dir)
+        self.dtype = resolve_dtype(config.dtype)
+        self.context_length = config.context_length or mc.max_position_embeddings
+        self.model = LlamaForCausalLM(mc, max_positions=self.context_length)
+        self.model.to(self.dtype)
+        self.model.rope.cos = self.model.rope.cos.float()
+        self.model.rope.sin = self.model.rope.sin.float()
+        self.model.load_weights(load_state_dict(self.model_dir, self.dtype))
+        self.model.eval()
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        num_slots = int(config.kv_cache_bytes() // per_token)
+        self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
+                           self.dtype, config.device, config.page_size)
+        self.backend = TorchNativeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
+                 self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,
+                 self.pool.num_slots * per_token / 1024**3)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model on the batch; returns float32 logits [len(sample_rows), vocab]."""
+        meta = self.backend.prepare(batch.extend_lens, batch.prefix_lens, batch.slot_tables)
+        return self.model(batch.input_ids, batch.positions, self.backend, meta, batch.out_cache_loc,
+                          batch.sample_rows)
