@@ -1,0 +1,1 @@
+"""idleless.text"""

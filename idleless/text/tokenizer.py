@@ -1,0 +1,519 @@
+"""Text layer of the frontend: tokenizer + chat template, incremental detokenizer, stop strings.
+
+The engine core never sees text. The frontend (offline ``Engine`` and the HTTP server) uses:
+
+- :class:`Tokenizer`: a thin wrapper over a transformers tokenizer (we never write our own):
+  ``encode`` / ``decode``, chat templates (``apply_chat_template`` / ``render_chat``), the set of
+  end-of-sequence ids, per-token text/bytes for logprob display.
+- :class:`IncrementalDetokenizer`: sampled ids -> text deltas that never split a UTF-8 character.
+- :class:`StopStringMatcher`: text deltas -> text that can safely be shown, truncated at a stop string.
+- :class:`TextStream`: the two combined, one per request.
+
+Decoding never applies transformers' ``clean_up_tokenization_spaces`` heuristic (a WordPiece-era
+post-processing step that deletes spaces before punctuation; it is not prefix-stable, so it cannot
+be streamed, and transformers itself refuses it for BPE models). ``Tokenizer.decode`` and the
+streaming classes therefore agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+__all__ = [
+    "Tokenizer",
+    "IncrementalDetokenizer",
+    "StopStringMatcher",
+    "TextStream",
+    "normalize_messages",
+]
+
+_REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map used by ByteLevel BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_BYTE_LEVEL_DECODE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _content_to_text(content: Any, index: int) -> str:
+    """OpenAI message content (str, None or list of parts) -> one string.
+
+    Text parts are joined with "\\n" (what vLLM does for string-format chat templates).
+    Non-text parts raise ValueError: the models we serve are text-only.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise ValueError(f"messages[{index}].content: parts must be objects, got {type(part).__name__}")
+            kind = part.get("type", "text")
+            if kind != "text":
+                raise ValueError(
+                    f"messages[{index}].content: unsupported content part type {kind!r} (only 'text')"
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"messages[{index}].content: a text part needs a string 'text'")
+            texts.append(text)
+        return "\n".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string or a list of parts, got {type(content).__name__}")
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copy chat messages with ``content`` flattened to a string (see ``_content_to_text``).
+
+    Each message needs a string ``role``; other keys (``name``, ``tool_calls``, ...) pass through
+    unchanged for templates that use them. Raises ValueError on malformed messages.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"messages[{i}] must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
+        m = dict(msg)
+        m["content"] = _content_to_text(msg.get("content"), i)
+        out.append(m)
+    return out
+
+
+class Tokenizer:
+    """A transformers tokenizer plus what the serving frontend needs from it.
+
+    Token ids are Python ints in ``[0, vocab_size)``; text is ``str``. The wrapped tokenizer is
+    available as ``.hf``.
+
+    Args:
+        hf_tokenizer: a loaded transformers tokenizer (fast/``TokenizersBackend`` preferred).
+        extra_eos_ids: more ids that end generation (e.g. from the model's generation config);
+            they are added to ``eos_token_ids``.
+        name_or_path: for error messages.
+    """
+
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Optional[Iterable[int]] = None,
+                 name_or_path: Optional[str] = None):
+        self.hf = hf_tokenizer
+        self.name_or_path = name_or_path or getattr(hf_tokenizer, "name_or_path", "") or "<tokenizer>"
+        # The Rust tokenizer (fast path). decode goes straight to it: transformers' own decode adds
+        # only the clean-up heuristic we deliberately skip (module docstring).
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        eos: set[int] = set()
+        tok_eos = getattr(hf_tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int):
+            eos.add(tok_eos)
+        for i in extra_eos_ids or ():
+            eos.add(int(i))
+        self.eos_token_ids: set[int] = eos
+        self._piece_cache: dict[int, str] = {}
+        self._byte_level, self._byte_fallback, self._metaspace = self._inspect_backend()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str, extra_eos_ids: Optional[Iterable[int]] = None, **hf_kwargs: Any) -> "Tokenizer":
+        """Load from an HF-style directory (tokenizer.json / tokenizer_config.json / chat template).
+
+        End-of-sequence ids = the tokenizer's ``eos_token_id`` + ``eos_token_id`` (int or list) of
+        ``generation_config.json`` and ``config.json`` if the directory has them + ``extra_eos_ids``.
+        Whether a BOS token is added by ``encode`` is the tokenizer's own setting (``add_bos_token``
+        / its post-processor); SmolLM2 adds none. Raises OSError if nothing loadable is there.
+        """
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(path, **hf_kwargs)
+        eos = set(int(i) for i in (extra_eos_ids or ()))
+        if os.path.isdir(path):
+            for fname in ("generation_config.json", "config.json"):
+                fpath = os.path.join(path, fname)
+                if not os.path.isfile(fpath):
+                    continue
+                try:
+                    with open(fpath, encoding="utf-8") as f:
+                        value = json.load(f).get("eos_token_id")
+                except (OSError, ValueError, AttributeError):
+                    continue
+                if isinstance(value, int):
+                    eos.add(value)
+                elif isinstance(value, list):
+                    eos.update(int(v) for v in value if isinstance(v, int))
+        return cls(hf, extra_eos_ids=eos, name_or_path=path)
+
+    def _inspect_backend(self) -> tuple[bool, bool, bool]:
+        """(ByteLevel decoder?, byte-fallback model?, Metaspace '▁' pieces?) for ``id_to_bytes``."""
+        if self._backend is None:
+            return False, False, False
+        try:
+            spec = json.loads(self._backend.to_str())
+        except Exception:  # pragma: no cover - exotic backends
+            return False, False, False
+        types: list[str] = []
+
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                if "type" in node:
+                    types.append(str(node["type"]))
+                for v in node.values():
+                    walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    walk(v)
+
+        walk(spec.get("decoder"))
+        model = spec.get("model") or {}
+        byte_fallback = bool(model.get("byte_fallback", False)) or "ByteFallback" in types
+        metaspace = "Metaspace" in types or "\u2581" in json.dumps(spec.get("decoder"), ensure_ascii=False)
+        return "ByteLevel" in types, byte_fallback, metaspace
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct token ids that can appear: ``len(tokenizer)`` (base vocab + added tokens).
+
+        The model's embedding may be larger (padded); ids beyond this are never produced by encode.
+        """
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return getattr(self.hf, "bos_token_id", None)
+
+    @property
+    def pad_token_id(self) -> Optional[int]:
+        return getattr(self.hf, "pad_token_id", None)
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        return getattr(self.hf, "chat_template", None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids. ``add_special_tokens`` adds BOS/EOS only where the tokenizer is
+        configured to (its ``add_bos_token`` / post-processor); for SmolLM2 it adds nothing."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text. Invalid or partial UTF-8 becomes U+FFFD; no space clean-up."""
+        ids = [int(i) for i in ids]
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=False)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Ids -> vocabulary pieces (raw, e.g. 'Ġhello' for ByteLevel BPE, '▁hello' for SentencePiece)."""
+        return list(self.hf.convert_ids_to_tokens([int(i) for i in ids]))
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The decoded text of one token, for logprob display (special tokens included as text).
+
+        Bytes-safe: a token holding part of a UTF-8 character gives U+FFFD instead of raising;
+        use ``id_to_bytes`` for the exact bytes. Cached per id.
+        """
+        token_id = int(token_id)
+        piece = self._piece_cache.get(token_id)
+        if piece is None:
+            piece = self.decode([token_id], skip_special_tokens=False)
+            self._piece_cache[token_id] = piece
+        return piece
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token contributes (OpenAI logprobs' ``bytes`` field).
+
+        Exact for ByteLevel BPE (GPT-2 byte map) and SentencePiece byte-fallback pieces ('<0xAB>');
+        otherwise the UTF-8 encoding of ``id_to_piece``. A Metaspace '▁' becomes a space (the
+        decoder's stripping of the very first space of a text is not applied here).
+        """
+        token_id = int(token_id)
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is out of range (vocab_size={self.vocab_size})")
+        added = getattr(self.hf, "added_tokens_decoder", None) or {}
+        if token_id in added:  # added tokens are stored as plain text, not byte-mapped
+            return str(getattr(added[token_id], "content", added[token_id])).encode("utf-8")
+        if self._byte_level and all(c in _BYTE_LEVEL_DECODE for c in piece):
+            return bytes(_BYTE_LEVEL_DECODE[c] for c in piece)
+        if self._byte_fallback:
+            m = _BYTE_FALLBACK_RE.match(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        if self._metaspace:
+            return piece.replace("▁", " ").encode("utf-8")
+        return self.id_to_piece(token_id).encode("utf-8")
+
+    # ------------------------------------------------------------------ chat
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: Optional[str] = None, **template_kwargs: Any) -> str:
+        """Render chat messages to the prompt string with the tokenizer's (Jinja) chat template.
+
+        messages: list of ``{"role": str, "content": str | [{"type": "text", "text": str}, ...]}``;
+        list content is flattened to a string first (``normalize_messages``). ``template_kwargs``
+        (e.g. ``tools``, ``continue_final_message``) go to transformers' ``apply_chat_template``.
+        Raises ValueError if the tokenizer has no chat template (and none is passed) or the messages
+        are malformed.
+        """
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError(
+                f"tokenizer {self.name_or_path!r} has no chat template; use a plain completion "
+                "prompt or pass chat_template explicitly"
+            )
+        msgs = normalize_messages(messages)
+        text = self.hf.apply_chat_template(
+            msgs, chat_template=template, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **template_kwargs,
+        )
+        if not isinstance(text, str):  # defensive: some versions return a list for batched input
+            raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+        return text
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
+        """Chat messages -> prompt token ids: ``encode(render_chat(...), add_special_tokens=False)``.
+
+        Special tokens come from the template text itself (as transformers does), so BOS is not
+        added twice. Errors as ``render_chat``.
+        """
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+
+
+class IncrementalDetokenizer:
+    """Sampled token ids -> text deltas, never splitting a UTF-8 character.
+
+    The prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` (itself from HF
+    ``TextStreamer``): keep a short id window ``ids[prefix_offset:]``; on each ``add`` decode
+    ``ids[prefix_offset:read_offset]`` (text already emitted) and ``ids[prefix_offset:]``; the delta
+    is the extra suffix. While the new text ends in U+FFFD (a character still incomplete) or adds
+    nothing, it is held back; otherwise it is emitted and the window slides
+    (``prefix_offset = read_offset; read_offset = len(ids)``). Decoding a window, not a prefix of the
+    text, is what makes tokenizers with context-dependent decoding (SentencePiece's '▁' leading-space
+    rule) come out right, and it costs O(window) per token, not O(sequence).
+
+    The window starts with the last ``context_tokens`` prompt ids (vLLM uses 5), so the first output
+    token is decoded in context: for a SentencePiece/Metaspace tokenizer "▁Paris" after a prompt
+    yields " Paris" (as ``decode(prompt + out)`` would), not "Paris".
+
+    Guarantee: ``"".join(deltas) + flush() == decode(ctx + out)[len(decode(ctx)):]`` where ctx is
+    that prompt tail; for prefix-stable decoders (ByteLevel BPE: SmolLM2, Llama 3, Qwen2, GPT-2) or
+    an empty prompt this is exactly ``tokenizer.decode(out)``. No delta ends in a partial character.
+    Exceptions, both only for output that is not valid UTF-8: (1) if more than
+    ``max_pending_tokens`` consecutive tokens leave the text ending in U+FFFD, the pending text is
+    emitted anyway so the window (and the cost per token) stays bounded; (2) tokenizers' ByteFallback
+    decoder (Llama 2 style '<0xAB>' pieces) renders a whole run of byte tokens as U+FFFDs when the run
+    is invalid, so a byte already emitted as a valid character may later show as U+FFFD in the full
+    decode. Like vLLM, a step whose text ends mid-character is held back whole (not just the partial
+    character), so a delta never contains the U+FFFD of an unfinished character.
+
+    Args:
+        tokenizer: ``Tokenizer``.
+        prompt_ids: the request's prompt ids (only the tail is kept).
+        skip_special_tokens: drop special tokens (eos, <|im_end|>, ...) from the text.
+        context_tokens: how many prompt ids to decode as context (vLLM: 5).
+        max_pending_tokens: held-back tokens before a forced emit (>= 4: one UTF-8 character spans
+            at most 4 byte tokens).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 context_tokens: int = 5, max_pending_tokens: int = 16):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.max_pending_tokens = max(4, int(max_pending_tokens))
+        ctx = [int(i) for i in list(prompt_ids)[-context_tokens:]] if context_tokens > 0 else []
+        self._ids: list[int] = ctx
+        self._prefix_offset = 0
+        self._read_offset = len(ctx)
+        self._prefix_text: Optional[str] = None  # cache of decode(ids[prefix:read])
+        self.num_output_tokens = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _slide(self) -> None:
+        # Drop ids left of the window so memory stays O(window), then move the offsets.
+        drop = self._read_offset
+        self._ids = self._ids[drop:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = None
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append sampled ids (any number, may be empty); return the newly final text ('' if held)."""
+        new_ids = [int(new_ids)] if isinstance(new_ids, int) else [int(i) for i in new_ids]
+        if not new_ids:
+            return ""
+        self._ids.extend(new_ids)
+        self.num_output_tokens += len(new_ids)
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._prefix_text
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        pending = len(self._ids) - self._read_offset
+        if (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)) and \
+                pending <= self.max_pending_tokens:
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._slide()
+        return delta
+
+    def flush(self) -> str:
+        """End of the request: return whatever is held back (may contain U+FFFD)."""
+        if len(self._ids) == self._read_offset:
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        delta = new_text[len(self._prefix_text):]
+        self._slide()
+        return delta
+
+
+class StopStringMatcher:
+    """Apply stop strings to a stream of text deltas.
+
+    ``feed(delta) -> (emit, matched)``: ``emit`` is text that can no longer become part of a stop
+    string; the longest suffix of the text so far that is a prefix of some stop string is held
+    back. Matches spanning deltas (token boundaries) are found because the held-back text is
+    searched together with the new delta. On a match, ``emit`` ends right before the stop string
+    (or right after it with ``include_in_output``), ``matched`` is the stop string, and every
+    later ``feed`` returns ``("", None)``.
+
+    Which stop wins when several occur: the one that is complete first in the text (smallest end
+    position), ties broken by the earliest start (the longer string). This is what a
+    character-by-character scan finds, so the result does not depend on how the text is split
+    into deltas. Cost per feed: O(len(delta) + held) * number of stops.
+
+    ``flush()`` returns the held-back text when the request ends without a stop.
+    Raises ValueError for an empty stop string.
+    """
+
+    def __init__(self, stops: Optional[Sequence[str]] = None, include_in_output: bool = False):
+        if isinstance(stops, str):
+            stops = [stops]
+        stops = list(stops or [])
+        for s in stops:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be str, got {type(s).__name__}")
+            if s == "":
+                raise ValueError("stop strings must be non-empty")
+        self.stops: list[str] = list(dict.fromkeys(stops))
+        self.include_in_output = include_in_output
+        self._max_hold = max((len(s) for s in self.stops), default=1) - 1
+        self._prefixes: set[str] = {s[:k] for s in self.stops for k in range(1, len(s))}
+        self._held = ""
+        self.matched: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.matched is not None
+
+    def feed(self, text: str) -> tuple[str, Optional[str]]:
+        """Consume a text delta; return (text safe to emit, matched stop string or None)."""
+        if self.matched is not None:
+            return "", None
+        if not text:
+            return "", None
+        if not self.stops:
+            return text, None
+        buf = self._held + text
+        best: Optional[tuple[int, int, str]] = None  # (end, start, stop)
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0:
+                key = (i + len(s), i, s)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        if best is not None:
+            end, start, s = best
+            self.matched = s
+            self._held = ""
+            return (buf[:end] if self.include_in_output else buf[:start]), s
+        hold = 0
+        for k in range(min(self._max_hold, len(buf)), 0, -1):
+            if buf[-k:] in self._prefixes:
+                hold = k
+                break
+        if hold:
+            self._held = buf[-hold:]
+            return buf[:-hold], None
+        self._held = ""
+        return buf, None
+
+    def flush(self) -> str:
+        """Return (and clear) the held-back text; '' after a match."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+
+class TextStream:
+    """Per-request text state: ``IncrementalDetokenizer`` followed by ``StopStringMatcher``.
+
+    ``feed(new_ids) -> (text_delta, matched_stop_or_None)``; after a stop matched, further feeds
+    return ``("", None)`` (the caller aborts the request in the engine; tokens already sampled
+    after the stop are ignored). ``finish() -> str`` flushes both stages. ``.text`` is all text
+    emitted so far, ``.matched_stop`` the stop string that ended it (or None), ``.output_ids`` all
+    ids fed.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Optional[Sequence[str]] = None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self.matcher = StopStringMatcher(stop, include_in_output=include_stop_str_in_output)
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.matched_stop: Optional[str] = None
+        self.finished = False
+
+    def feed(self, new_ids: Sequence[int]) -> tuple[str, Optional[str]]:
+        if self.matched_stop is not None or self.finished:
+            return "", None
+        new_ids = [int(new_ids)] if isinstance(new_ids, int) else [int(i) for i in new_ids]
+        self.output_ids.extend(new_ids)
+        emit, matched = self.matcher.feed(self.detokenizer.add(new_ids))
+        self.text += emit
+        if matched is not None:
+            self.matched_stop = matched
+        return emit, matched
+
+    def finish(self) -> str:
+        """Flush held-back text at the end of the request; a stop string found in it still truncates."""
+        if self.finished or self.matched_stop is not None:
+            self.finished = True
+            return ""
+        self.finished = True
+        emit, matched = self.matcher.feed(self.detokenizer.flush())
+        if matched is not None:
+            self.matched_stop = matched
+        else:
+            emit += self.matcher.flush()
+        self.text += emit
+        return emit
