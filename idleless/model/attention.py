@@ -1,10 +1,21 @@
-"""Attention backends behind one interface. ``TorchNativeAttention`` is the reference backend:
-it reads K/V from the KV pool through each request's slot table and runs PyTorch's
-``scaled_dot_product_attention`` on padded groups of requests, so any mix of requests (different
-prefix lengths, any number of new tokens each) runs in one batch.
+"""Attention backends behind one interface.
+
+``TorchNativeAttention`` is the reference backend for CPU (and the one GPU backends are tested
+against). It reads K/V from the KV pool through each request's slot table, so any mix of requests
+(different prefix lengths, any number of new tokens each) runs in one batch:
+
+* **Shared segments (cascade attention).** When several requests in the batch hold the same KV
+  slots for a stretch of their prefix (a system prompt or document served from the radix cache),
+  that stretch is read once and attended by all their query rows together, instead of being
+  gathered once per request. Each request's own remainder (its *tail*: the unshared prefix and
+  its new tokens, causal) is attended separately, and the partial results are merged with their
+  log-sum-exp. This is the shared-prefix decomposition of Hydragen (Juravsky et al., arXiv
+  2402.05099) and FlashInfer's cascade inference (Ye et al., arXiv 2501.01005).
+* **Tails** are padded into groups of similar size and run through PyTorch's CPU flash-attention
+  kernel (``_scaled_dot_product_flash_attention_for_cpu``), which also returns the log-sum-exp.
 
 Interface: ``meta = backend.prepare(extend_lens, prefix_lens, slot_tables)`` once per forward,
-then ``backend.forward(q, k, v, layer_id, meta)`` per layer.
+then ``backend.forward(q, k, v, layer_id, meta, out_cache_loc)`` per layer.
 """
 
 from __future__ import annotations
@@ -12,16 +23,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from idleless.cache.kv_pool import KVPool
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+# A stretch shared by several requests becomes its own segment when it is at least this long (tokens);
+# shorter ones stay in the requests' tails (a segment costs a kernel launch per layer).
+MIN_SHARED_TOKENS = 16
+# Requests with more new tokens than this never use segments (their own compute dominates, and the
+# plain path needs no merge).
+MAX_SEGMENT_EXTEND = 64
+
 
 @dataclass
-class AttnGroup:
-    """Requests padded together. token_index [B, E] and kv_index [B, L] are int64 (padding
-    points at row/slot 0); mask [B, 1, E, L] bool (True = attend); valid [B*E] bool marks real
-    query rows, whose batch rows are out_rows [n_valid]."""
+class TailGroup:
+    """Requests' tails padded together. token_index [B, E] and kv_index [B, L] int64 (padding
+    points at row/slot 0); mask [B, 1, E*G, L] additive float (0 = attend, -inf = not), rows
+    repeated G times for grouped-query heads; valid [B*E] bool marks real query rows, whose batch
+    rows are out_rows [n_valid]."""
 
     token_index: torch.Tensor
     kv_index: torch.Tensor
@@ -31,25 +51,35 @@ class AttnGroup:
 
 
 @dataclass
+class Segment:
+    """A KV stretch (slots [L]) shared by several requests and fully visible to all their query
+    rows (rows [R], batch rows)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
 class AttnMetadata:
-    groups: list[AttnGroup]
+    tails: list[TailGroup]
+    segments: list[Segment]
     num_tokens: int
-    identity: bool  # one group whose valid rows are the batch rows in order: no scatter needed
+    identity: bool  # one tail group whose valid rows are the batch rows in order, and no segment
 
 
-def _group_requests(extend_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Bucket requests so that padding wastes little: decodes (1 new token) together, extends by
-    similar size (a group may grow while its padded area stays within 1.5x its real area + 4096)."""
-    decode = [i for i, e in enumerate(extend_lens) if e == 1]
-    extend = sorted((i for i, e in enumerate(extend_lens) if e > 1), key=lambda i: (extend_lens[i], seq_lens[i]))
-    groups = [decode] if decode else []
+def _group_requests(extend_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Bucket requests so that padding wastes little: one-token requests together, longer ones by
+    similar size (a group grows while its padded area stays within 1.5x its real area + 4096)."""
+    single = [i for i, e in enumerate(extend_lens) if e == 1]
+    multi = sorted((i for i, e in enumerate(extend_lens) if e > 1), key=lambda i: (extend_lens[i], kv_lens[i]))
+    groups = [single] if single else []
     cur: list[int] = []
     real = 0
-    for i in extend:
-        e, s = extend_lens[i], seq_lens[i]
+    for i in multi:
+        e, s = extend_lens[i], kv_lens[i]
         cand = cur + [i]
         max_e = max(extend_lens[j] for j in cand)
-        max_s = max(seq_lens[j] for j in cand)
+        max_s = max(kv_lens[j] for j in cand)
         if cur and len(cand) * max_e * max_s > 1.5 * (real + e * s) + 4096:
             groups.append(cur)
             cur, real = [i], e * s
@@ -60,70 +90,157 @@ def _group_requests(extend_lens: list[int], seq_lens: list[int]) -> list[list[in
     return groups
 
 
+def find_shared_segments(prefix_lens: list[int], slot_tables: list[torch.Tensor],
+                         eligible: list[bool]) -> tuple[list[tuple[list[int], int, int]], list[int]]:
+    """Find stretches of KV slots shared by two or more eligible requests within their prefixes.
+
+    Returns (segments, shared): each segment is (request indices, start, end) meaning those
+    requests all hold the same slots at positions [start, end) (>= MIN_SHARED_TOKENS long);
+    shared[i] is where request i's tail begins (all positions before it are covered by segments).
+    Recursive longest-common-prefix partitioning, like walking the radix tree those slots came from."""
+    B = len(prefix_lens)
+    shared = [0] * B
+    cand = [i for i in range(B) if eligible[i] and prefix_lens[i] >= MIN_SHARED_TOKENS]
+    segments: list[tuple[list[int], int, int]] = []
+    if len(cand) < 2:
+        return segments, shared
+    L = max(prefix_lens[i] for i in cand)
+    pad = torch.full((len(cand), L + 1), -1, dtype=torch.int64)
+    for r, i in enumerate(cand):
+        pad[r, : prefix_lens[i]] = slot_tables[i][: prefix_lens[i]]
+    stack = [(list(range(len(cand))), 0, 0)]  # (rows of pad, first position not yet in a segment, LCP so far)
+    while stack:
+        rows, seg_start, off = stack.pop()
+        if len(rows) == 1:
+            shared[cand[rows[0]]] = seg_start
+            continue
+        sub = pad[rows, off:]
+        eq = (sub == sub[:1]).all(0) & (sub[0] >= 0)
+        end = off + int(eq.to(torch.int32).cumprod(0).sum())
+        if end - seg_start >= MIN_SHARED_TOKENS:
+            segments.append(([cand[r] for r in rows], seg_start, end))
+            seg_start = end
+        by_next: dict[int, list[int]] = {}
+        for r, v in zip(rows, pad[rows, end].tolist()):
+            if v < 0:
+                shared[cand[r]] = seg_start
+            else:
+                by_next.setdefault(v, []).append(r)
+        for sub_rows in by_next.values():
+            stack.append((sub_rows, seg_start, end))
+    return segments, shared
+
+
 class TorchNativeAttention:
-    """Reference attention over the KV pool (causal within each request, GQA-aware)."""
+    """Reference attention over the KV pool: causal within each request, grouped-query aware,
+    with shared-prefix (cascade) decomposition. Tensors: q [T, H, D], k/v [T, Hkv, D]."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        self.use_segments = True
 
     def prepare(self, extend_lens: list[int], prefix_lens: list[int],
                 slot_tables: list[torch.Tensor]) -> AttnMetadata:
-        """Build the padded index tensors shared by all layers. slot_tables[i]: int64
-        [prefix_lens[i] + extend_lens[i]] (the request's KV slots, the new tokens' included)."""
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        """Build the index tensors shared by all layers. slot_tables[i]: int64
+        [prefix_lens[i] + extend_lens[i]], the request's KV slots with the new tokens' included."""
+        B = len(extend_lens)
         starts, acc = [], 0
         for e in extend_lens:
             starts.append(acc)
             acc += e
-        groups = []
-        for idx in _group_requests(extend_lens, seq_lens):
-            B = len(idx)
+        seg_list, shared = [], [0] * B
+        if self.use_segments and B > 1:
+            eligible = [e <= MAX_SEGMENT_EXTEND for e in extend_lens]
+            seg_list, shared = find_shared_segments(prefix_lens, slot_tables, eligible)
+        segments = []
+        for reqs, a, b in seg_list:
+            rows = torch.cat([torch.arange(starts[i], starts[i] + extend_lens[i]) for i in reqs])
+            segments.append(Segment(rows, slot_tables[reqs[0]][a:b]))
+        # tails: positions [shared[i], seq_len) of each request, causal for its new tokens
+        kv_lens = [p + e - s for p, e, s in zip(prefix_lens, extend_lens, shared)]
+        G = self.group
+        dtype = self.pool.dtype
+        tails = []
+        for idx in _group_requests(extend_lens, kv_lens):
+            nb = len(idx)
             E = max(extend_lens[i] for i in idx)
-            L = max(seq_lens[i] for i in idx)
+            L = max(kv_lens[i] for i in idx)
             ext = torch.tensor([extend_lens[i] for i in idx])
-            pre = torch.tensor([prefix_lens[i] for i in idx])
+            pre = torch.tensor([prefix_lens[i] - shared[i] for i in idx])
             st = torch.tensor([starts[i] for i in idx])
             ar_e = torch.arange(E)
-            valid2d = ar_e[None, :] < ext[:, None]  # [B, E]
+            valid2d = ar_e[None, :] < ext[:, None]  # [nb, E]
             token_index = torch.where(valid2d, st[:, None] + ar_e[None, :], 0)
-            kv_index = torch.zeros(B, L, dtype=torch.int64)
+            kv_index = torch.zeros(nb, L, dtype=torch.int64)
             for b, i in enumerate(idx):
-                kv_index[b, : seq_lens[i]] = slot_tables[i][: seq_lens[i]]
-            # query i of request b sits at position pre+i and sees keys j <= pre+i
-            qpos = pre[:, None] + ar_e[None, :]  # [B, E]
-            mask = torch.arange(L)[None, None, :] <= qpos[:, :, None]  # [B, E, L]
-            mask[:, :, 0] |= ~valid2d  # padded query rows attend to one key (avoids NaN rows)
+                kv_index[b, : kv_lens[i]] = slot_tables[i][shared[i]: shared[i] + kv_lens[i]]
+            # query j of a tail sits at tail position pre+j and sees tail keys k <= pre+j
+            allowed = torch.arange(L)[None, None, :] <= (pre[:, None] + ar_e[None, :])[:, :, None]
+            allowed[:, :, 0] |= ~valid2d  # padded query rows attend to one key (no NaN rows)
+            mask = torch.zeros(nb, E, L, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            mask = mask[:, :, None, :].expand(nb, E, G, L).reshape(nb, 1, E * G, L)
             valid = valid2d.reshape(-1)
-            groups.append(AttnGroup(token_index, kv_index, mask.unsqueeze(1), valid, token_index.reshape(-1)[valid]))
-        identity = (len(groups) == 1 and bool(groups[0].valid.all())
-                    and torch.equal(groups[0].out_rows, torch.arange(acc)))
-        return AttnMetadata(groups, acc, identity)
+            tails.append(TailGroup(token_index, kv_index, mask, valid, token_index.reshape(-1)[valid]))
+        identity = (not segments and len(tails) == 1 and bool(tails[0].valid.all())
+                    and torch.equal(tails[0].out_rows, torch.arange(acc)))
+        return AttnMetadata(tails, segments, acc, identity)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttnMetadata, out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] (new tokens, already rotated) -> output [T, H, D].
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens, rotated) -> output [T, H, D] in q's dtype.
         Writes k/v into the pool at out_cache_loc [T] first."""
         kc = self.pool.k_cache[layer_id]
         vc = self.pool.v_cache[layer_id]
         kc.index_copy_(0, out_cache_loc, k.to(kc.dtype))
         vc.index_copy_(0, out_cache_loc, v.to(vc.dtype))
         if meta.identity:
-            return self._group(q, kc, vc, meta.groups[0]).reshape(-1, self.num_heads, self.head_dim)
-        out = torch.empty_like(q)
-        for g in meta.groups:
-            o = self._group(q, kc, vc, g).reshape(-1, self.num_heads, self.head_dim)
-            out[g.out_rows] = o[g.valid]
-        return out
+            return self._tail(q, kc, vc, meta.tails[0])[0]
+        T, H, D = q.shape
+        if not meta.segments:
+            out = torch.empty_like(q)
+            for g in meta.tails:
+                o, _ = self._tail(q, kc, vc, g)
+                out[g.out_rows] = o[g.valid]
+            return out
+        out = torch.empty(T, H, D, dtype=torch.float32)
+        lse = torch.empty(T, H, dtype=torch.float32)
+        for g in meta.tails:
+            o, l = self._tail(q, kc, vc, g)
+            out[g.out_rows] = o[g.valid].float()
+            lse[g.out_rows] = l[g.valid]
+        for s in meta.segments:
+            o, l = self._segment(q, kc, vc, s)
+            prev_l = lse[s.rows]
+            new_l = torch.logaddexp(prev_l, l)
+            out[s.rows] = out[s.rows] * torch.exp(prev_l - new_l)[..., None] + o.float() * torch.exp(l - new_l)[..., None]
+            lse[s.rows] = new_l
+        return out.to(q.dtype)
 
-    def _group(self, q, kc, vc, g: AttnGroup) -> torch.Tensor:
+    def _tail(self, q, kc, vc, g: TailGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out [B*E, H, D], lse [B*E, H]) for a padded tail group."""
         B, E = g.token_index.shape
-        qg = q[g.token_index].transpose(1, 2)  # [B, H, E, D]
-        kg = kc[g.kv_index].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-        vg = vc[g.kv_index].transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(1, 2)  # [B, E, H, D]
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        qg = q[g.token_index].view(B, E, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, E * G, D)
+        kg = kc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
+        vg = vc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)
+        o, lse = _flash(qg, kg, vg, attn_mask=g.mask.to(q.dtype), scale=self.scale)
+        o = o.view(B, Hkv, E, G, D).permute(0, 2, 1, 3, 4).reshape(B * E, Hkv * G, D)
+        lse = lse.view(B, Hkv, E, G).permute(0, 2, 1, 3).reshape(B * E, Hkv * G)
+        return o, lse
+
+    def _segment(self, q, kc, vc, s: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out [R, H, D], lse [R, H]) of the segment's rows against its shared keys."""
+        R = s.rows.numel()
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        qs = q[s.rows].view(R, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, R * G, D)
+        ks = kc[s.slots].permute(1, 0, 2).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+        vs = vc[s.slots].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+        o, lse = _flash(qs, ks, vs, scale=self.scale)
+        o = o.view(Hkv, R, G, D).permute(1, 0, 2, 3).reshape(R, Hkv * G, D)
+        lse = lse.view(Hkv, R, G).permute(1, 0, 2).reshape(R, Hkv * G)
+        return o, lse
