@@ -62,12 +62,15 @@ class EngineConfig:
     kv_cache_memory: str = "2GiB"  # bytes ("2GiB") or a fraction of available RAM ("0.2")
     page_size: int = 1
     max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # new (uncached) prompt tokens in one step
-    chunked_prefill_size: int = 2048  # a long prompt is prefilled in chunks of at most this many
+    max_prefill_tokens: int = 8192  # token budget of one step: prefill chunks + decode tokens
+    chunked_prefill_size: int = 2048  # a long prompt is prefilled in chunks of at most this many; <= 0: off
     max_queued_requests: int = 4096
-    schedule_policy: str = "lpm"  # fcfs | lpm
+    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight (see idleless.engine.policy)
+    schedule_fallback_threshold: int = 128  # lpm / dfs-weight fall back to fcfs above this many waiting
+    max_queue_delay: float = 30.0  # seconds; a request waiting longer goes before cache-ordered ones
     disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"
+    radix_eviction_policy: str = "lru"  # lru | gdsf (value-aware)
+    max_pinned_tokens: Optional[int] = None  # cap on pinned prefix tokens; default a quarter of the pool
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
     trace_file: Optional[str] = None
     log_level: str = "info"
@@ -78,10 +81,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
-        if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.chunked_prefill_size < 1:
-            raise ValueError("max_running_requests, max_prefill_tokens, chunked_prefill_size must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm", "dfs-weight"):
+            raise ValueError(f"schedule_policy must be fcfs, lpm or dfs-weight, got {self.schedule_policy!r}")
+        if self.radix_eviction_policy not in ("lru", "gdsf"):
+            raise ValueError(f"radix_eviction_policy must be lru or gdsf, got {self.radix_eviction_policy!r}")
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
 
     def kv_cache_bytes(self) -> float:
         return parse_memory(self.kv_cache_memory)
@@ -102,7 +107,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
         if typ is bool:
             parser.add_argument(flag, action="store_true", default=default)
         else:
-            base = int if typ in (int, Optional[int]) else str
+            base = int if typ in (int, Optional[int]) else float if typ in (float, Optional[float]) else str
             parser.add_argument(flag, type=base, default=default, dest=f.name)
 
 

@@ -218,6 +218,31 @@ class Engine:
         with self._lock:
             return self.core.stats()
 
+    def pin_prefix(self, prompt: Prompt, ttl: float = 600.0, pin_id: Optional[str] = None, chat: bool = False) -> int:
+        """Keep ``prompt``'s KV in the radix cache for ``ttl`` seconds (prefilling it first if it is
+        not cached). Returns the number of tokens pinned. Raises RequestError if the prefix cache
+        is off, the pinned budget (``max_pinned_tokens``) would be exceeded or the prompt is invalid."""
+        ids = self.encode_prompt(prompt, chat)
+        result: dict = {}
+
+        def done(n, err):
+            result["n"], result["err"] = n, err
+
+        with self._lock:
+            self.core.scheduler.pin_prefix(pin_id or uuid.uuid4().hex[:12], ids, ttl, done)
+        self._wake.set()
+        while not result:
+            if not self._step_once():
+                self._wake.wait(0.001)
+        if result["err"]:
+            raise RequestError(result["err"], param="prompt")
+        return result["n"]
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Release a pin early; False if unknown."""
+        with self._lock:
+            return self.core.scheduler.cache.unpin(pin_id)
+
     def flush_cache(self) -> bool:
         """Empty the radix cache (False while requests run)."""
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Callable, Optional
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 # In-batch prefix sharing: a waiting request that shares at least this many not-yet-cached tokens
 # with a request admitted in the same step waits one step and then hits the cache instead.
 SHARE_BLOCK = 32
+# the sliding window of the engine-level hit rate, in admitted requests
+HIT_WINDOW = 256
 
 
 @dataclass
@@ -44,6 +47,11 @@ class SchedulerStats:
     computed_prompt_tokens: int = 0  # prefill/extend tokens actually run (recomputation included)
     generation_tokens: int = 0
     num_retractions: int = 0
+    evicted_tokens: int = 0
+    pinned_tokens: int = 0
+    queue_time: float = 0.0  # seconds from arrival to first admission, summed over admitted requests
+    num_admitted: int = 0
+    window_hit_rate: float = 0.0  # hit rate over the last HIT_WINDOW admissions
     num_steps: int = 0
     forward_time: float = 0.0
     schedule_time: float = 0.0
@@ -68,12 +76,15 @@ class Scheduler:
         if config.disable_radix_cache:
             self.cache: RadixCache = NoPrefixCache(self.pool, config.page_size)
         else:
-            self.cache = RadixCache(self.pool, config.page_size, config.radix_eviction_policy)
+            self.cache = RadixCache(self.pool, config.page_size, config.radix_eviction_policy,
+                                    config.max_pinned_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.new_token_ratio = 0.3  # share of remaining max_new_tokens reserved at admission
         self._outputs: list[RequestOutput] = []
+        self._hit_window: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW)  # (prompt, cached) per admission
+        self._pin_waiters: dict[str, tuple[str, float, Callable]] = {}  # internal rid -> (pin id, ttl, done)
 
     # -- requests in -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -125,11 +136,44 @@ class Scheduler:
         return bool(self.waiting or self.running or self._outputs)
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache; refused (False) while requests are running."""
-        if self.running:
+        """Empty the radix cache (pins included); refused (False) while requests run or wait."""
+        if self.running or self.waiting:
             return False
         self.cache.reset()
         return True
+
+    def pin_prefix(self, pin_id: str, prompt_ids: list[int], ttl: float,
+                   done: Callable[[Optional[int], Optional[str]], None]) -> None:
+        """Pin ``prompt_ids`` in the radix cache for ``ttl`` seconds. If the prefix is not cached
+        yet it is prefilled first by an internal one-token request. ``done(tokens, error)`` is
+        called (from ``step`` or at once) with the pinned token count, or an error message
+        (prefix cache disabled, over the pinned budget, invalid prompt)."""
+        if ttl <= 0:
+            done(None, "ttl must be > 0")
+            return
+        if isinstance(self.cache, NoPrefixCache):
+            done(None, "the prefix cache is disabled")
+            return
+        if self.cache.peek_prefix_len(prompt_ids) >= len(prompt_ids) - len(prompt_ids) % self.pool.page_size:
+            self._do_pin(pin_id, prompt_ids, ttl, done)
+            return
+        from idleless.engine.request import SamplingParams
+        req = Request(f"__pin__{pin_id}", list(prompt_ids), SamplingParams(max_new_tokens=1, temperature=0.0),
+                      priority=1 << 30)
+        try:
+            self.add_request(req)
+        except RequestError as e:
+            done(None, e.message)
+            return
+        self._pin_waiters[req.rid] = (pin_id, ttl, done)
+
+    def _do_pin(self, pin_id, prompt_ids, ttl, done) -> None:
+        try:
+            n = self.cache.pin(pin_id, prompt_ids, ttl)
+        except ValueError as e:
+            done(None, str(e))
+            return
+        done(n, None)
 
     # -- memory ------------------------------------------------------------------------------
     def _alloc(self, req: Request, n: int) -> torch.Tensor | None:
@@ -160,15 +204,17 @@ class Scheduler:
     def _schedule(self) -> list[tuple[Request, int]]:
         cfg = self.config
         budget = cfg.max_prefill_tokens
+        self._fresh_budget = budget - sum(1 for r in self.running if r.seq_len - r.num_computed == 1)
         scheduled: list[tuple[Request, int]] = []
         # 1. running requests, most progressed (and highest priority) first; victims come from the end
         self.running.sort(key=lambda r: (-r.priority, -len(r.output_ids), -r.num_computed, r.arrival_time))
+        budget -= sum(1 for r in self.running if r.seq_len - r.num_computed == 1)  # decodes first
         i = 0
         while i < len(self.running):
             req = self.running[i]
             remaining = req.seq_len - req.num_computed
             if remaining > 1:  # still prefilling: a chunk within the budget
-                n = min(remaining, cfg.chunked_prefill_size, budget)
+                n = self._chunk(remaining, budget)
                 if n <= 0:
                     i += 1
                     continue
@@ -191,12 +237,21 @@ class Scheduler:
             scheduled += self._admit(budget)
         return scheduled
 
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """New tokens a prefilling request gets this step: a chunk within the budget; with chunked
+        prefill off the whole rest, and only if the budget is untouched by other prefills."""
+        if self.config.chunked_prefill_size <= 0:
+            return remaining if budget >= min(remaining, self._fresh_budget) else 0
+        return min(remaining, self.config.chunked_prefill_size, budget)
+
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
         cfg = self.config
         out = []
         shared_blocks: set[int] = set()  # hashes of block-aligned prefixes admitted this step
-        deferred = False
-        for req in order_waiting(list(self.waiting), cfg.schedule_policy, self.cache):
+        now = time.monotonic()
+        order = order_waiting(list(self.waiting), cfg.schedule_policy, self.cache,
+                              cfg.schedule_fallback_threshold, cfg.max_queue_delay, now)
+        for req in order:
             if len(self.running) >= cfg.max_running_requests or budget <= 0:
                 break
             ids = req.all_ids
@@ -209,10 +264,11 @@ class Scheduler:
                         break
                     shared = end
                 if shared - cached >= SHARE_BLOCK:
-                    deferred = True
                     continue
             remaining = len(ids) - cached
-            n = min(remaining, cfg.chunked_prefill_size, budget)
+            n = self._chunk(remaining, budget) if remaining > 1 else 1
+            if n <= 0:
+                break
             self.cache.inc_lock_ref(node)
             need = self.pool.tokens_needed(cached, n)
             available = self.pool.num_free_slots + self.cache.evictable_size
@@ -229,6 +285,9 @@ class Scheduler:
             req.slots = torch.cat([slots, new])
             if req.cached_tokens < 0:
                 req.cached_tokens = min(cached, len(req.prompt_ids))
+                self._hit_window.append((len(req.prompt_ids), req.cached_tokens))
+                self.stats.queue_time += now - req.arrival_time
+                self.stats.num_admitted += 1
             self.waiting.remove(req)
             self.running.append(req)
             out.append((req, n))
@@ -236,8 +295,6 @@ class Scheduler:
             if not isinstance(self.cache, NoPrefixCache):
                 for end in range(SHARE_BLOCK, len(ids), SHARE_BLOCK):
                     shared_blocks.add(hash(tuple(ids[:end])))
-        if not deferred and not out:
-            pass
         return out
 
     def _build_batch(self, scheduled: list[tuple[Request, int]]):
@@ -265,6 +322,8 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs (token deltas, finishes) it produced."""
         t0 = time.perf_counter()
+        if self.cache.pins:
+            self.cache.unpin_expired()
         scheduled = self._schedule()
         if scheduled:
             batch, samplers = self._build_batch(scheduled)
@@ -316,6 +375,14 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         self.cache.cache_finished_req(req)
+        waiter = self._pin_waiters.pop(req.rid, None)
+        if waiter is not None:
+            pin_id, ttl, done = waiter
+            if reason == FinishReason.ABORT:
+                done(None, "aborted before the prefix was cached")
+            else:
+                self._do_pin(pin_id, req.prompt_ids, ttl, done)
+            return
         if reason == FinishReason.ABORT:
             self.stats.num_aborted += 1
         else:
@@ -338,6 +405,15 @@ class Scheduler:
         req.num_sent = len(req.output_ids)
 
     # -- accounting --------------------------------------------------------------------------
+    def refresh_stats(self) -> SchedulerStats:
+        """Bring the derived figures (evictions, pins, windowed hit rate) up to date and return the stats."""
+        st = self.stats
+        st.evicted_tokens = self.cache.num_evicted
+        st.pinned_tokens = self.cache.pinned_size
+        p = sum(a for a, _ in self._hit_window)
+        st.window_hit_rate = sum(c for _, c in self._hit_window) / p if p else 0.0
+        return st
+
     def kv_usage(self) -> dict:
         """Slot ownership in tokens: free + cached (tree) + in_use (requests' own) == total."""
         own = sum(len(r.slots) - r.num_tree_tokens for r in self.running if r.slots is not None)
