@@ -124,6 +124,7 @@ class EngineCore:
         d = {k: getattr(s, k) for k in s.__dataclass_fields__}
         d["cache_hit_rate"] = s.cache_hit_rate
         d["kv"] = self.scheduler.kv_usage()
+        d["time"] = self.scheduler.clock.snapshot()
         d["num_running"] = len(self.scheduler.running)
         d["num_waiting"] = len(self.scheduler.waiting)
         return d

@@ -23,6 +23,7 @@ from idleless.config import EngineConfig
 from idleless.engine.core_process import EngineCore
 from idleless.engine.request import Request, RequestError, RequestOutput, SamplingParams
 from idleless.text.output import CompletionDelta, CompletionOutput, RequestState
+from idleless.telemetry.timing import LoopReporter
 from idleless.text.tokenizer import Tokenizer
 
 Prompt = Union[str, list[int], list[dict]]
@@ -58,6 +59,8 @@ class Engine:
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._loop_thread: Optional[threading.Thread] = None
+        self._reporter = LoopReporter()
+        self.core.scheduler.clock.reset()  # account from the end of loading
 
     # -- prompts -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -105,8 +108,11 @@ class Engine:
     # -- stepping ----------------------------------------------------------------------------
     def _step_once(self) -> bool:
         with self._lock:
+            clock = self.core.scheduler.clock
             if not self.core.has_work():
+                clock.mark("idle_no_work")
                 return False
+            clock.mark("io")  # submissions and the caller's own work since the last step
             outs = self.core.step()
             for out in outs:
                 h = self._handlers.get(out.rid)
@@ -114,6 +120,8 @@ class Engine:
                     h(out)
                 if out.finished:
                     self._handlers.pop(out.rid, None)
+            clock.mark("other")
+            self._reporter.maybe_log(self.core.scheduler)
         return True
 
     def _sync_handler(self, st: RequestState):

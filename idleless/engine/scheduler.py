@@ -25,6 +25,7 @@ from idleless.engine.policy import order_waiting
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
 from idleless.model.runner import ForwardBatch, ModelRunner
 from idleless.model.sampler import sample
+from idleless.telemetry.timing import StepTracer, TimeAccount
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Scheduler:
         self._outputs: list[RequestOutput] = []
         self._hit_window: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW)  # (prompt, cached) per admission
         self._pin_waiters: dict[str, tuple[str, float, Callable]] = {}  # internal rid -> (pin id, ttl, done)
+        self.clock = TimeAccount()
+        self.tracer = StepTracer(config.trace_file) if config.trace_file else None
 
     # -- requests in -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -320,18 +323,19 @@ class Scheduler:
         return batch, samplers
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the outputs (token deltas, finishes) it produced."""
-        t0 = time.perf_counter()
+        """Run one scheduler step; returns the outputs (token deltas, finishes) it produced.
+        Charges its time to the ``schedule`` and ``forward`` buckets of ``self.clock``."""
+        clock = self.clock
         if self.cache.pins:
             self.cache.unpin_expired()
         scheduled = self._schedule()
         if scheduled:
             batch, samplers = self._build_batch(scheduled)
-            t1 = time.perf_counter()
+            d_sched = clock.mark("schedule")
             logits = self.runner.forward(batch)
             result = sample(logits, samplers, self.eos_ids) if samplers else None
-            t2 = time.perf_counter()
-            self.stats.forward_time += t2 - t1
+            d_fwd = clock.mark("forward")
+            self.stats.forward_time += d_fwd
             self.stats.num_steps += 1
             for req, n in scheduled:
                 if req.num_computed < len(req.prompt_ids):
@@ -344,11 +348,25 @@ class Scheduler:
                 if not req.finished and n > 1:
                     self.cache.cache_unfinished_req(req)  # share prefilled prefixes at once
             self.new_token_ratio = max(0.1, self.new_token_ratio - 0.002)
-            self.stats.schedule_time += (t1 - t0) + (time.perf_counter() - t2)
+            d_sched += clock.mark("schedule")
+            self.stats.schedule_time += d_sched
+            if self.tracer is not None:
+                self._trace(scheduled, d_sched, d_fwd)
         else:
-            self.stats.schedule_time += time.perf_counter() - t0
+            self.stats.schedule_time += clock.mark("schedule")
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _trace(self, scheduled, d_sched: float, d_fwd: float) -> None:
+        n_decode = sum(1 for _, n in scheduled if n == 1)
+        kind = "decode" if n_decode == len(scheduled) else "prefill" if n_decode == 0 else "mixed"
+        self.tracer.write({
+            "t": round(time.perf_counter() - self.clock.start, 6), "kind": kind, "batch_size": len(scheduled),
+            "new_tokens": sum(n for _, n in scheduled),
+            "cached_tokens": sum(r.cached_tokens for r, n in scheduled if n > 1 and r.cached_tokens > 0),
+            "running": len(self.running), "waiting": len(self.waiting),
+            "schedule_s": round(d_sched, 6), "forward_s": round(d_fwd, 6),
+            "hit_rate": round(self.stats.cache_hit_rate, 4)})
 
     def _append_token(self, req: Request, tok: int, lp, top) -> None:
         if req.first_token_time is None:
