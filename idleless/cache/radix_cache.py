@@ -125,7 +125,7 @@ class RadixCache:
         if hit:
             node.hit_count += 1
         mid = node.start + len(node.key) / 2
-        node.value_score = self.inflation + max(node.hit_count, 1) * (1.0 + mid / self.GDSF_POSITION_SCALE)
+        node.value_score = self.inflation + (node.hit_count + 1) * (1.0 + mid / self.GDSF_POSITION_SCALE)
 
     def match_prefix(self, key: list[int], hit: bool = True) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of ``key`` (page-aligned): (slots int64 [m], last node).

@@ -82,8 +82,9 @@ class Engine:
         raise RequestError(f"a prompt must be a string, a list of token ids or a list of chat messages, "
                            f"got {type(prompt).__name__}", param="prompt")
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, handler_for) -> list[RequestState]:
-        """Queue n requests for one prompt; all or none (RequestError leaves nothing queued)."""
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, handler_for, priority: int = 0) -> list[RequestState]:
+        """Queue n requests for one prompt; all or none (RequestError leaves nothing queued).
+        ``priority``: higher goes first in every schedule policy and is retracted last."""
         base = uuid.uuid4().hex[:12]
         states: list[RequestState] = []
         with self._lock:
@@ -94,7 +95,7 @@ class Engine:
                     rid = f"{base}-{i}"
                     st = RequestState(rid, i, self.tokenizer, prompt_ids, p)
                     self._handlers[rid] = handler_for(st)
-                    self.core.add_request(Request(rid, list(prompt_ids), p))
+                    self.core.add_request(Request(rid, list(prompt_ids), p, priority=int(priority)))
                     states.append(st)
             except Exception:
                 for st in states:
@@ -132,10 +133,12 @@ class Engine:
         return handle
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, chat: bool = False) -> Union[CompletionOutput, list[CompletionOutput], list[list[CompletionOutput]]]:
+                 use_tqdm: bool = True, chat: bool = False, priority: Union[int, Sequence[int]] = 0
+                 ) -> Union[CompletionOutput, list[CompletionOutput], list[list[CompletionOutput]]]:
         """Run prompts to completion. One prompt -> one CompletionOutput (a list of n when n > 1);
-        many -> a list of those, in order. Raises RequestError (nothing runs) if any prompt or
-        parameter is invalid."""
+        many -> a list of those, in order. ``priority``: one int or one per prompt (higher is
+        admitted first and retracted last; default 0). Raises RequestError (nothing runs) if any
+        prompt or parameter is invalid."""
         single = _is_single(prompts)
         plist = [prompts] if single else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -144,11 +147,17 @@ class Engine:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(plist)
+        if isinstance(priority, (list, tuple)):
+            if len(priority) != len(plist):
+                raise ValueError("priority must be one int or one per prompt")
+            priorities = [int(p) for p in priority]
+        else:
+            priorities = [int(priority)] * len(plist)
         encoded = [self.encode_prompt(p, chat) for p in plist]
         groups: list[list[RequestState]] = []
         try:
-            for ids, sp in zip(encoded, params):
-                groups.append(self._submit(ids, sp, self._sync_handler))
+            for ids, sp, prio in zip(encoded, params, priorities):
+                groups.append(self._submit(ids, sp, self._sync_handler, prio))
         except Exception:
             with self._lock:
                 for g in groups:
@@ -188,7 +197,7 @@ class Engine:
                 self._wake.clear()
 
     async def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                              chat: bool = False) -> AsyncIterator[CompletionDelta]:
+                              chat: bool = False, priority: int = 0) -> AsyncIterator[CompletionDelta]:
         """Stream deltas of one prompt (n choices interleaved, told apart by ``delta.index``).
         Cancelling the consumer aborts the request. Raises RequestError before the first delta."""
         params = sampling_params or SamplingParams()
@@ -205,7 +214,7 @@ class Engine:
                     loop.call_soon_threadsafe(queue.put_nowait, delta)
             return handle
 
-        states = self._submit(ids, params, handler_for)
+        states = self._submit(ids, params, handler_for, priority)
         self._ensure_loop_thread()
         try:
             while not all(st.finished for st in states) or not queue.empty():
