@@ -110,3 +110,21 @@ def smollm2_dir(tmp_path_factory) -> str:
         yield prepare_model_dir(None)
     finally:
         mp.undo()
+
+
+# Torch threads for the engines the tests build. 1 by default: on a small shared machine (2 cores, other
+# jobs running) more threads than free cores make every matmul wait on descheduled threads (measured 5x
+# slower with 2 threads under load). Set IDLELESS_TEST_THREADS=0 for all cores on an idle machine.
+TEST_THREADS = int(os.environ.get("IDLELESS_TEST_THREADS", "1"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_dir):
+    """ONE offline Engine on the bundled SmolLM2-135M-Instruct in float32, shared by the engine tests.
+
+    KV pool: 160 MiB (~3600 tokens). A test that counts cache hits calls ``flush_cache()`` first; every
+    test leaves it idle (nothing running or waiting) and with the radix cache on.
+    """
+    from idleless.engine.engine import Engine
+
+    return Engine(model=smollm2_dir, dtype="float32", kv_cache_memory="160MiB", num_threads=TEST_THREADS)
