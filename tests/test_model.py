@@ -159,8 +159,6 @@ def test_bfloat16_forward_is_close_to_float32(tmp_path):
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Mistral sliding_window is read into ModelConfig but the attention "
-                   "backend ignores it: sequences longer than the window attend to every earlier token")
 def test_mistral_sliding_window(tmp_path):
     path = make_tiny_model(tmp_path, arch="mistral", sliding_window=8)
     runner = _runner(path)

@@ -135,8 +135,10 @@ class TorchNativeAttention:
     """Reference attention over the KV pool: causal within each request, grouped-query aware,
     with shared-prefix (cascade) decomposition. Tensors: q [T, H, D], k/v [T, Hkv, D]."""
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None = None):
         self.pool = pool
+        self.sliding_window = sliding_window  # Mistral: a query sees only the last `sliding_window` keys
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -154,7 +156,10 @@ class TorchNativeAttention:
             starts.append(acc)
             acc += e
         seg_list, shared = [], [0] * B
-        if self.use_segments and B > 1:
+        window = self.sliding_window
+        if window is not None and max(p + e for p, e in zip(prefix_lens, extend_lens)) <= window:
+            window = None  # nothing in this batch is old enough to fall out of the window
+        if self.use_segments and B > 1 and window is None:
             eligible = [e <= MAX_SEGMENT_EXTEND for e in extend_lens]
             seg_list, shared = find_shared_segments(prefix_lens, slot_tables, eligible)
         segments = []
@@ -180,7 +185,10 @@ class TorchNativeAttention:
             for b, i in enumerate(idx):
                 kv_index[b, : kv_lens[i]] = slot_tables[i][shared[i]: shared[i] + kv_lens[i]]
             # query j of a tail sits at tail position pre+j and sees tail keys k <= pre+j
-            allowed = torch.arange(L)[None, None, :] <= (pre[:, None] + ar_e[None, :])[:, :, None]
+            qpos = (pre[:, None] + ar_e[None, :])[:, :, None]
+            allowed = torch.arange(L)[None, None, :] <= qpos
+            if window is not None:  # no segments then, so tail positions are absolute positions
+                allowed &= torch.arange(L)[None, None, :] > qpos - window
             allowed[:, :, 0] |= ~valid2d  # padded query rows attend to one key (no NaN rows)
             mask = torch.zeros(nb, E, L, dtype=dtype).masked_fill_(~allowed, float("-inf"))
             mask = mask[:, :, None, :].expand(nb, E, G, L).reshape(nb, 1, E * G, L)

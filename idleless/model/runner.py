@@ -75,7 +75,8 @@ class ModelRunner:
         num_slots = int(config.kv_cache_bytes() // per_token)
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size)
-        self.backend = TorchNativeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)
+        self.backend = TorchNativeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                                            getattr(mc, "sliding_window", None))
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
                  self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,
