@@ -219,13 +219,14 @@ class RadixMachine(RuleBasedStateMachine):
     def pin(self, pin_id, seq, ttl):
         n = self._aligned(len(seq))
         cached = len(model_match(self.model, seq, self.page_size))
-        self.pins.pop(pin_id, None)  # re-pinning an id replaces its pin
-        budget_ok = sum(t for _, _, t in self.pins.values()) + n <= self.cache.max_pinned_tokens
+        others = sum(t for p, (_, _, t) in self.pins.items() if p != pin_id)
+        budget_ok = others + n <= self.cache.max_pinned_tokens  # re-pinning an id replaces its pin
         try:
             got = self.cache.pin(pin_id, list(seq), ttl, now=self.clock)
         except ValueError:
             assert not (cached == n and budget_ok)
-            assert pin_id not in self.cache.pins
+            # a failed re-pin keeps the old pin
+            assert (pin_id in self.cache.pins) == (pin_id in self.pins)
             return
         assert cached == n and budget_ok and got == n
         self.pins[pin_id] = (tuple(seq[:n]), self.clock + ttl, n)

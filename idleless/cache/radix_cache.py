@@ -248,14 +248,14 @@ class RadixCache:
         (page-aligned) or the pinned budget (``max_pinned_tokens``) would be exceeded."""
         now = time.monotonic() if now is None else now
         n = len(key) - len(key) % self.page_size
-        if pin_id in self.pins:
-            self.unpin(pin_id)
         slots, node = self.match_prefix(key[:n])
         if len(slots) < n:
             raise ValueError(f"only {len(slots)} of the {n} tokens to pin are cached")
-        if self.pinned_size + n > self.max_pinned_tokens:
+        already = self.pins[pin_id][2] if pin_id in self.pins else 0
+        if self.pinned_size - already + n > self.max_pinned_tokens:
             raise ValueError(f"pinning {n} tokens would exceed the pinned budget of {self.max_pinned_tokens} tokens "
                              f"({self.pinned_size} pinned)")
+        self.unpin(pin_id)  # re-pinning replaces (and so extends) the old pin; a failed one keeps it
         self.inc_lock_ref(node)
         self.pins[pin_id] = (node, now + ttl, n)
         return n
