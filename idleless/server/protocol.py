@@ -1,0 +1,535 @@
+"""OpenAI-compatible request and response models (pydantic v2) and the OpenAI error object.
+
+Requests are parsed with ``parse_request(Model, body)``: any problem (not an object, wrong types,
+values out of range) raises :class:`APIError` carrying the HTTP status and the OpenAI error object
+``{"error": {"message", "type", "param", "code"}}``, so nothing malformed reaches the engine.
+Unknown fields are ignored (clients send many optional OpenAI fields); fields that would change the
+output but that we cannot honour (``logit_bias``, ``response_format`` other than text, tools,
+``suffix``, ``best_of`` > n, echo with logprobs) are rejected with 400 rather than silently ignored.
+
+Sampling fields map onto :class:`idleless.engine.request.SamplingParams` via ``to_sampling_params``;
+range checks on values (NaN, negative, out of range) are ``SamplingParams.validate``'s, done by the
+frontend before a request is queued (``idleless.server.engine_client.EngineClient.check_request``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+from idleless.engine.request import RequestError, SamplingParams
+
+MAX_N = 16  # choices per prompt (n); each is an engine request
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 1024
+MAX_PROMPTS = 64  # prompts in one /v1/completions list
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # torch.Generator.manual_seed range, leaving room for seed + i
+GREEDY_EPS = 1e-5  # a temperature below this is greedy (vLLM's convention)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def harden(params: SamplingParams) -> SamplingParams:
+    """Server-side guards on top of ``SamplingParams.validate`` against values that are "valid"
+    but overflow float32 in the sampler (logits / 1e-300 = inf -> NaN probabilities -> the whole
+    engine step fails): a temperature in (0, 1e-5) becomes 0 (greedy); a repetition_penalty
+    outside [0.01, 100] is refused (RequestError). Returns ``params`` (modified in place)."""
+    t = params.temperature
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < GREEDY_EPS:
+        params.temperature = 0.0
+    rp = params.repetition_penalty
+    lo, hi = REPETITION_PENALTY_RANGE
+    if isinstance(rp, (int, float)) and not isinstance(rp, bool) and rp == rp and not lo <= rp <= hi:
+        raise RequestError(f"repetition_penalty must be in [{lo}, {hi}], got {rp!r}", param="repetition_penalty",
+                           code="invalid_value")
+    return params
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and the OpenAI error object (``body()``).
+
+    type: ``invalid_request_error`` (400/404), ``authentication_error`` (401),
+    ``server_error`` (500), ``service_unavailable_error`` (503). code: machine-readable reason
+    (``context_length_exceeded``, ``model_not_found``, ``invalid_value``, ``invalid_api_key``,
+    ``server_overloaded``, ...). ``headers``: extra response headers (``Retry-After`` on 503)."""
+
+    def __init__(self, status: int, message: str, *, type: Optional[str] = None, param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _default_type(status)
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    @classmethod
+    def from_request_error(cls, e: RequestError, param_names: Optional[dict[str, str]] = None) -> "APIError":
+        """A RequestError (engine-side validation) as a 400; ``param_names`` renames engine params
+        (``max_new_tokens`` -> ``max_tokens``) to the API's; ``queue_full`` becomes a 503."""
+        param = (param_names or {}).get(e.param, e.param) if e.param else None
+        msg = e.message
+        if param and e.param and param != e.param:
+            msg = msg.replace(e.param, param)
+        if e.code == "queue_full":
+            return cls(503, msg, code="server_overloaded", headers={"Retry-After": "1"})
+        return cls(400, msg, param=param, code=e.code or "invalid_value")
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _loc_to_param(loc: tuple) -> Optional[str]:
+    parts = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        else:
+            # pydantic puts union-member / function names into loc; keep only field names
+            if any(ch in str(p) for ch in "[]()") or str(p) in ("str", "int", "list", "function-after"):
+                continue
+            parts.append(("." if parts else "") + str(p))
+    return "".join(parts) or None
+
+
+def parse_request(model: type[BaseModel], body: Any):
+    """Validate a decoded JSON body against ``model``; raises APIError(400) naming the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _loc_to_param(tuple(err.get("loc", ())))
+        msg = err.get("msg", "invalid value")
+        if param:
+            msg = f"{param}: {msg}"
+        if len(e.errors()) > 1:
+            msg += f" (and {len(e.errors()) - 1} more problem(s))"
+        raise APIError(400, msg, param=param, code="invalid_type" if "type" in err.get("type", "") else "invalid_value") \
+            from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
+# ------------------------------------------------------------------------------------------------
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Lenient):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM/SGLang extras)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = False
+    min_tokens: Optional[int] = 0
+    n: Optional[int] = 1
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    include_stop_str_in_output: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def _max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def to_sampling_params(self, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        """The engine's SamplingParams (n kept; the client expands it). Raises APIError(400) for
+        fields we do not support; value ranges are checked later by SamplingParams.validate."""
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than text is not supported", param="response_format",
+                           code="unsupported_parameter")
+        stop = self.stop if self.stop is not None else []
+        if isinstance(stop, str):
+            stop = [stop]
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop", code="invalid_value")
+        for s in stop:
+            if s == "" or len(s) > MAX_STOP_LEN:
+                raise APIError(400, f"stop strings must be 1..{MAX_STOP_LEN} characters", param="stop",
+                               code="invalid_value")
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n", code="invalid_value")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise APIError(400, f"seed must be in [{SEED_MIN}, {SEED_MAX}]", param="seed", code="invalid_value")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs",
+                           code="invalid_value")
+        mnt = self._max_new_tokens()
+        if mnt is not None and mnt < 1:
+            raise APIError(400, f"max_tokens must be >= 1 (or null for up to the context), got {mnt}",
+                           param="max_tokens", code="invalid_value")
+
+        def d(v, default):
+            return default if v is None else v
+
+        return self._harden(SamplingParams(
+            temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0), top_k=d(self.top_k, -1),
+            min_p=d(self.min_p, 0.0), repetition_penalty=d(self.repetition_penalty, 1.0),
+            frequency_penalty=d(self.frequency_penalty, 0.0), presence_penalty=d(self.presence_penalty, 0.0),
+            max_new_tokens=mnt, min_new_tokens=d(self.min_tokens, 0), seed=self.seed, stop=list(stop),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=d(self.skip_special_tokens, True), logprobs=logprobs, top_logprobs=top_logprobs,
+            n=n))
+
+    @staticmethod
+    def _harden(params: SamplingParams) -> SamplingParams:
+        try:
+            return harden(params)
+        except RequestError as e:
+            raise APIError.from_request_error(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# engine param name -> API param name, for error messages
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a list
+    of token-id lists (each is a prompt with ``n`` choices; choice index = prompt_index * n + i).
+    ``max_tokens`` omitted = 16 (OpenAI's default); null = up to the context. ``logprobs``: number of
+    top alternatives per token (0..20; 0 = only the sampled token's)."""
+
+    prompt: PromptType
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def _max_new_tokens(self) -> Optional[int]:
+        if "max_tokens" not in self.model_fields_set:
+            return 16
+        return self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "best_of is not supported (must equal n)", param="best_of",
+                           code="unsupported_parameter")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs",
+                           code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
+                           param="echo", code="unsupported_parameter")
+        want = self.logprobs is not None
+        return self.to_sampling_params(want, self.logprobs or 0)
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    """One chat message; ``developer`` is treated as ``system``. ``content`` is a string, a list
+    of text parts (joined with newlines) or null (an assistant turn without text)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def to_template(self) -> dict:
+        role = "system" if self.role == "developer" else self.role
+        if self.content is None:
+            content = ""
+        elif isinstance(self.content, str):
+            content = self.content
+        else:
+            content = "\n".join(p.text for p in self.content)
+        m = {"role": role, "content": content}
+        if self.name:
+            m["name"] = self.name
+        return m
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. ``max_completion_tokens`` (newer OpenAI name) wins over
+    ``max_tokens``; both omitted or null = up to the context. ``logprobs`` (bool) with
+    ``top_logprobs`` (0..20) alternatives per token."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+
+    def _max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+        if self.continue_final_message and (self.add_generation_prompt is not False or
+                                            self.messages[-1].role != "assistant"):
+            raise APIError(400, "continue_final_message needs add_generation_prompt=false and a final "
+                           "assistant message", param="continue_final_message", code="invalid_value")
+        return self.to_sampling_params(bool(self.logprobs), self.top_logprobs or 0)
+
+
+class GenerateRequest(_Lenient):
+    """POST /generate (native): ``input_ids`` (token ids) or ``text``; ``sampling_params`` uses the
+    engine's names (max_new_tokens, temperature, top_p, top_k, min_p, penalties, stop,
+    stop_token_ids, ignore_eos, min_new_tokens, seed, n, logprobs, top_logprobs, ...)."""
+
+    input_ids: Optional[list[int]] = None
+    text: Optional[str] = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: Optional[bool] = False
+    rid: Optional[str] = None
+
+    def params(self) -> SamplingParams:
+        allowed = set(SamplingParams.__dataclass_fields__)
+        unknown = set(self.sampling_params) - allowed
+        if unknown:
+            raise APIError(400, f"unknown sampling_params: {sorted(unknown)}", param="sampling_params",
+                           code="invalid_value")
+        types = {"temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
+                 "frequency_penalty": float, "presence_penalty": float, "top_k": int, "max_new_tokens": int,
+                 "min_new_tokens": int, "seed": int, "n": int, "top_logprobs": int, "ignore_eos": bool,
+                 "include_stop_str_in_output": bool, "skip_special_tokens": bool, "logprobs": bool}
+        kw = {}
+        for k, v in self.sampling_params.items():
+            t = types.get(k)
+            if v is None and k in ("max_new_tokens", "seed"):
+                kw[k] = None
+                continue
+            if t is bool and not isinstance(v, bool) or t is int and (not isinstance(v, int) or isinstance(v, bool)) \
+                    or t is float and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                raise APIError(400, f"sampling_params.{k} must be {t.__name__}", param=f"sampling_params.{k}",
+                               code="invalid_type")
+            kw[k] = v
+        stop = kw.get("stop", [])
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stop) \
+                or len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, "sampling_params.stop must be a string or a list of non-empty strings",
+                           param="sampling_params.stop", code="invalid_value")
+        kw["stop"] = stop
+        sti = kw.get("stop_token_ids", [])
+        if not isinstance(sti, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
+            raise APIError(400, "sampling_params.stop_token_ids must be a list of ints",
+                           param="sampling_params.stop_token_ids", code="invalid_type")
+        p = _SamplingRequest._harden(SamplingParams(**kw))
+        if not 1 <= p.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}]", param="sampling_params.n", code="invalid_value")
+        if p.seed is not None and not SEED_MIN <= p.seed <= SEED_MAX:
+            raise APIError(400, "seed out of range", param="sampling_params.seed", code="invalid_value")
+        return p
+
+
+class TokenizeRequest(_Lenient):
+    """POST /v1/tokenize: ``prompt`` text, or chat ``messages`` rendered with the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = True
+    add_generation_prompt: Optional[bool] = True
+
+
+class DetokenizeRequest(_Lenient):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses
+# ------------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts. prompt_tokens counts each prompt once (not once per choice);
+    prompt_tokens_details.cached_tokens: prompt tokens served by the radix cache."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprobToken(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[ChatLogprobToken]] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(BaseModel):
+    """A streamed chat delta; unset (None) fields are left out of the JSON, as OpenAI does."""
+
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="plain")
+    def _ser(self) -> dict:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: Optional[str] = None
+    choices: list[CompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "idleless"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

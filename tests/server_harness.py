@@ -1,0 +1,99 @@
+"""A real `idleless serve` in a subprocess, for the server tests (not a test module itself).
+
+    srv = ServerProcess(["--kv-cache-memory", "256MiB"], api_key="k")   # starts it on a free port
+    srv.wait_ready()                                                      # polls /health
+    httpx.get(srv.url + "/v1/models", headers=srv.headers)
+    srv.stop()                                                            # SIGTERM, returns the exit code
+
+The process inherits the environment (IDLELESS_CACHE_DIR set by the ``smollm2_dir`` fixture, so
+it finds the converted model). Its stdout+stderr go to ``srv.log_path``; ``srv.log()`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m idleless.server --host 127.0.0.1 --port <free> <args>`` as a subprocess."""
+
+    def __init__(self, args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None):
+        self.port = free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, self.log_path = tempfile.mkstemp(prefix="idleless-server-", suffix=".log")
+        self._log = os.fdopen(fd, "wb")
+        # `python -m idleless.server` is `idleless serve` (same add_args/main) without the other CLI
+        # subcommands' imports; test_server.py::test_cli_serve_help covers the `idleless serve` wiring.
+        cmd = [sys.executable, "-m", "idleless.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})},
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stats(self) -> dict:
+        r = httpx.get(self.url + "/server_info", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        return r.json()["stats"]
+
+    def wait_idle_kv(self, timeout: float = 30.0) -> dict:
+        """Poll until no request is running or waiting and no KV slot is held by a request; returns
+        the last stats (raises AssertionError on timeout)."""
+        deadline = time.monotonic() + timeout
+        s = self.stats()
+        while time.monotonic() < deadline:
+            s = self.stats()
+            if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv"]["in_use"] == 0:
+                return s
+            time.sleep(0.05)
+        raise AssertionError(f"KV not idle after {timeout} s: {s}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self._log.close()
+        return self.proc.returncode
