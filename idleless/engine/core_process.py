@@ -263,9 +263,22 @@ class EngineCoreLoop:
             self.pending.append(ErrorOutput(rid, [], FinishReason.ABORT, error=why, code="internal_error"))
 
     def run(self) -> None:
+        # Wall-time buckets (idleless.telemetry.timing): waiting for a message with nothing to do is
+        # idle_no_work; receiving/handling messages and sending outputs is io; step() charges
+        # schedule and forward itself.
+        sched = self.core.scheduler
+        clock = sched.clock
+        clock.reset()
         while self.running:
             busy = self.core.has_work()
-            self._drain(0 if busy else self.idle_poll_ms)
+            if not busy:
+                if sched.tracer is not None:
+                    sched.tracer.flush()  # a run's trace is complete on disk once the engine idles
+                clock.mark("io")
+                self.pull.poll(self.idle_poll_ms)
+                clock.mark("idle_no_work")
+            self._drain(0)
+            clock.mark("io")
             if not self._parent_alive():
                 log.warning("engine core: the frontend process is gone; exiting")
                 break
@@ -276,6 +289,7 @@ class EngineCoreLoop:
                     log.exception("engine core: step failed; aborting all requests")
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._flush()
+            clock.mark("io")
         # shutdown: whatever is left is aborted and reported
         if self.core.has_work():
             self._fail_all("the server is shutting down")

@@ -351,19 +351,22 @@ class Scheduler:
             d_sched += clock.mark("schedule")
             self.stats.schedule_time += d_sched
             if self.tracer is not None:
-                self._trace(scheduled, d_sched, d_fwd)
+                self._trace(scheduled, d_sched, d_fwd, len(samplers))
         else:
             self.stats.schedule_time += clock.mark("schedule")
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def _trace(self, scheduled, d_sched: float, d_fwd: float) -> None:
+    def _trace(self, scheduled, d_sched: float, d_fwd: float, sampled: int) -> None:
         n_decode = sum(1 for _, n in scheduled if n == 1)
         kind = "decode" if n_decode == len(scheduled) else "prefill" if n_decode == 0 else "mixed"
         self.tracer.write({
             "t": round(time.perf_counter() - self.clock.start, 6), "kind": kind, "batch_size": len(scheduled),
-            "new_tokens": sum(n for _, n in scheduled),
-            "cached_tokens": sum(r.cached_tokens for r, n in scheduled if n > 1 and r.cached_tokens > 0),
+            "new_tokens": sum(n for _, n in scheduled), "decode": n_decode, "sampled": sampled,
+            # requests admitted in this step (their first chunk started at the cached prefix):
+            # prompt tokens, and of those served by the radix cache
+            "admitted_prompt_tokens": sum(len(r.prompt_ids) for r, n in scheduled if r.num_computed - n == r.cached_tokens),
+            "cached_tokens": sum(r.cached_tokens for r, n in scheduled if r.num_computed - n == r.cached_tokens),
             "running": len(self.running), "waiting": len(self.waiting),
             "schedule_s": round(d_sched, 6), "forward_s": round(d_fwd, 6),
             "hit_rate": round(self.stats.cache_hit_rate, 4)})

@@ -57,13 +57,17 @@ class TimeAccount:
 
 
 class StepTracer:
-    """Per-step JSON lines (``--trace-file``): time, step kind, batch size, new tokens, cached
-    tokens, running/waiting, and the bucket durations of the step (s). Buffered; flushed every
-    ``flush_every`` records and on ``close``. Raises OSError if the file cannot be opened."""
+    """Per-step JSON lines (``--trace-file``): time, step kind, batch size, new tokens (``decode``
+    of them one-token decodes; ``sampled`` requests got a token), the prompt tokens of the requests
+    admitted in the step and how many of them the radix cache served, running/waiting,
+    and the bucket durations of the step (s). Buffered; flushed every ``flush_every`` records, by
+    ``flush`` (the server's engine loop calls it when it goes idle) and on ``close``. Raises
+    OSError if the file cannot be opened."""
 
     def __init__(self, path: str, flush_every: int = 64):
         self._f = open(path, "a", buffering=1 << 16)
         self._n = 0
+        self._flushed = 0
         self.flush_every = flush_every
 
     def write(self, record: dict) -> None:
@@ -71,6 +75,12 @@ class StepTracer:
         self._n += 1
         if self._n % self.flush_every == 0:
             self._f.flush()
+            self._flushed = self._n
+
+    def flush(self) -> None:
+        if self._n != self._flushed:
+            self._f.flush()
+            self._flushed = self._n
 
     def close(self) -> None:
         self._f.close()
