@@ -1,9 +1,28 @@
-"""`idleless bench` (placeholder until the benchmarks land)."""
+"""``idleless bench <subcommand>``: benchmarks.
+
+    idleless bench offline --workload ../shared/workloads/shared_prefix.json [--compare] [--decode-batch1]
+
+Subcommands register here: each module has ``add_args(parser)`` and ``main(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
 
 
-def add_args(parser):
-    pass
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Add the bench subcommands to the ``idleless bench`` parser."""
+    from idleless.bench import offline
+
+    sub = parser.add_subparsers(dest="bench_command", metavar="{offline,policies,chunked-prefill,eviction}", required=True)
+    o = sub.add_parser("offline", help="offline throughput on a workload file (Engine in-process)",
+                       description=offline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    offline.add_args(o)
+    o.set_defaults(bench_main=offline.main)
+    from idleless.bench import scheduling  # issue 4: policies, chunked-prefill, eviction
+    scheduling.register(sub)
 
 
-def main(args) -> int:
-    raise SystemExit("idleless bench is not implemented yet")
+def main(args: argparse.Namespace) -> int:
+    """Run the chosen bench subcommand; returns its exit code."""
+    return args.bench_main(args)
