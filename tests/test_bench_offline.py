@@ -55,6 +55,7 @@ def test_offline_bench_end_to_end(tmp_path, tiny_bench_model, capsys):
     printed = capsys.readouterr().out
     assert "speedup" in printed and "prompt_token_ids" in printed
     r = json.loads(out.read_text())
+    assert r["complete"] is True
 
     w = r["workload"]
     assert w["num_requests"] == 3 and w["prompt_tokens"] == 43 + 42 + 25 and w["output_tokens"] == 16

@@ -490,8 +490,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser)
 
 
+def write_result(result: dict, path: str, complete: bool) -> None:
+    """Write ``result`` as JSON (``"complete"`` says whether every phase ran), atomically."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({**result, "complete": complete}, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+
+
 def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark described by ``args`` and return the result dict (what --output writes)."""
+    """Run the benchmark described by ``args`` and return the result dict (what --output writes).
+    With ``args.output``, the figures so far are written after every phase (``"complete":
+    false``), so a run cut short keeps what it measured."""
     import torch
 
     from idleless.bench.baselines import HFGenerateBaseline
@@ -520,6 +531,10 @@ def run(args: argparse.Namespace) -> dict:
         "load_avg_1m_start": load_avg(),
     }
 
+    def checkpoint() -> None:
+        if getattr(args, "output", None):
+            write_result(result, args.output, complete=False)
+
     # 1. Idleless, radix cache as configured (on by default)
     label = "radix off" if config.disable_radix_cache else "radix on"
     _log(f"Idleless ({label}): loading; {len(items)} requests, {wl.prompt_tokens} prompt tokens (load {load_avg()})")
@@ -542,6 +557,7 @@ def run(args: argparse.Namespace) -> dict:
     res["radix_cache"] = not config.disable_radix_cache
     result["idleless"] = res
     _log(f"Idleless ({label}): {res['wall_s']:.1f} s, {res['output_tokens_per_s']:.1f} out tok/s")
+    checkpoint()
     del runner
     if not args.decode_batch1:  # else kept for the batch-1 timings, interleaved with transformers'
         del engine
@@ -563,6 +579,7 @@ def run(args: argparse.Namespace) -> dict:
         gc.collect()
         result["speedup_vs_radix_off"] = _ratio(res_off["wall_s"], res["wall_s"])
         result["agreement_radix_off"] = _agreement(idl_out, off_out)
+        checkpoint()
 
     if args.compare or args.decode_batch1:
         _log(f"transformers: loading {result['model']['dir']} in {result['model']['dtype']} (load {load_avg()})")
@@ -585,6 +602,7 @@ def run(args: argparse.Namespace) -> dict:
         result["speedup_vs_hf"] = _ratio(hres["wall_s"], res["wall_s"])
         result["agreement_hf"] = _agreement(idl_out, hf_run.output_ids)
         _log(f"transformers generate: {hres['wall_s']:.1f} s, {hres['output_tokens_per_s']:.1f} out tok/s")
+        checkpoint()
 
     if args.decode_batch1:
         _log(f"batch 1, Idleless and transformers interleaved: {args.decode_tokens} decode tokens x "
@@ -703,8 +721,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(format_report(result))
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {out}")
+        write_result(result, args.output, complete=True)
+        print(f"wrote {args.output}")
     return 0
