@@ -4,6 +4,7 @@
     srv.wait_ready()                                                      # polls /health
     httpx.get(srv.url + "/v1/models", headers=srv.headers)
     srv.stop()                                                            # SIGTERM, returns the exit code
+    srv = shared_server(pytestconfig, MAIN_ARGS, api_key=MAIN_API_KEY)    # one per session, for several modules
 
 The process inherits the environment (IDLELESS_CACHE_DIR set by the ``smollm2_dir`` fixture, so
 it finds the converted model). Its stdout+stderr go to ``srv.log_path``; ``srv.log()`` reads it.
@@ -97,3 +98,31 @@ class ServerProcess:
                 self.proc.wait(30)
         self._log.close()
         return self.proc.returncode
+
+
+# The server most tests share (test_server.py, test_server_fuzz.py): float32 because test_server.py
+# compares with the offline Engine token for token and bf16 CPU matmuls are not batch-invariant;
+# one engine thread because the CI machine has 2 cores and OpenMP threads that share a core with
+# the frontend and the test process slow every step down many times over.
+MAIN_ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1", "--log-level", "warning")
+MAIN_API_KEY = "test-key"
+_SHARED: dict = {}
+
+
+def shared_server(pytestconfig, args=MAIN_ARGS, api_key: Optional[str] = MAIN_API_KEY) -> ServerProcess:
+    """Start (once per test session) and return a server; it is stopped with SIGTERM at the end of
+    the session. A failed start is remembered, so later modules fail fast instead of retrying."""
+    key = (tuple(args), api_key)
+    if key not in _SHARED:
+        srv = ServerProcess(list(args), api_key=api_key)
+        _SHARED[key] = srv
+        pytestconfig.add_cleanup(srv.stop)
+        try:
+            srv.wait_ready()
+        except Exception as e:  # noqa: BLE001
+            _SHARED[key] = e
+            raise
+    srv = _SHARED[key]
+    if isinstance(srv, Exception):
+        raise RuntimeError(f"the shared server failed to start earlier: {srv}")
+    return srv

@@ -1,10 +1,10 @@
 """End-to-end tests of `idleless serve`: a real server (uvicorn on 127.0.0.1, free port, its own
 process + the engine-core process) driven by the official openai client and httpx.
 
-One server for the module. It runs float32 (explicitly; the default is bfloat16) because the
-32-client test compares with the offline Engine token for token: bf16 CPU matmuls are not
-batch-invariant (a different batch composition flips greedy near-ties within a few dozen tokens),
-float32 ones are on these prompts.
+One server for the session (shared with test_server_fuzz.py). It runs float32 (explicitly; the
+default is bfloat16) because the 32-client test compares with the offline Engine token for token:
+bf16 CPU matmuls are not batch-invariant (a different batch composition flips greedy near-ties
+within a few dozen tokens), float32 ones are on these prompts.
 """
 
 from __future__ import annotations
@@ -17,23 +17,17 @@ import httpx
 import openai
 import pytest
 
-from server_harness import ServerProcess
+from server_harness import MAIN_API_KEY, shared_server
 
-API_KEY = "test-key"
+API_KEY = MAIN_API_KEY
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1", "--log-level", "warning"],
-                        api_key=API_KEY)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.log()[-3000:]
+def server(smollm2_dir, pytestconfig):
+    """The session's shared float32 server (server_harness.MAIN_ARGS), with an API key."""
+    return shared_server(pytestconfig)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +94,7 @@ def test_health_models_and_auth(server, client):
 
 def test_chat_stream_equals_non_stream(client):
     kw = dict(model=MODEL, messages=chat("Write one sentence about the sea.", "You are a poet."),
-              max_tokens=24, temperature=0.8, top_p=0.95, seed=1234)
+              max_tokens=12, temperature=0.8, top_p=0.95, seed=1234)
     full = client.chat.completions.create(**kw)
     assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
     assert full.system_fingerprint and full.system_fingerprint.startswith("idleless-")
@@ -118,7 +112,7 @@ def test_chat_stream_equals_non_stream(client):
 
 
 def test_completions_stream_equals_non_stream_and_echo(client):
-    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.7, seed=7)
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.7, seed=7)
     full = client.completions.create(**kw)
     assert full.object == "text_completion" and full.id.startswith("cmpl-")
     texts, finishes, _ = stream_text(client.completions.create(stream=True, **kw))
@@ -194,21 +188,21 @@ def test_logprobs_shapes(client):
 
 
 def test_stop_strings(client):
-    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0)
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=14, temperature=0)
     text = base.choices[0].text
     assert "7" in text, text
     stop = " 7,"
     want = text[:text.index(stop)]
-    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=14, temperature=0,
                                   stop=[stop, "never-appears"])
     assert r.choices[0].text == want
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["matched_stop"] == stop
     texts, finishes, chunks = stream_text(client.completions.create(
-        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=stop, stream=True))
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=14, temperature=0, stop=stop, stream=True))
     assert texts[0] == want and finishes[0] == ["stop"]
     assert not any("7" in (c.text or "") for ch in chunks for c in ch.choices)  # no piece of the stop leaked
-    inc = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=stop,
+    inc = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=14, temperature=0, stop=stop,
                                     extra_body={"include_stop_str_in_output": True})
     assert inc.choices[0].text == want + stop
     # eos / length: matched_stop is the eos id or null
@@ -411,7 +405,7 @@ def test_32_concurrent_streams_match_offline_engine(server, smollm2_dir):
     prompts = [chat(f"Write two sentences about {t}.") for t in topics] + \
               [chat(f"Give me a short tip about {t}.", "You are terse.") for t in topics]
     specs = [dict(temperature=0.0) for _ in range(24)] + [dict(temperature=0.8, seed=1000 + i) for i in range(8)]
-    max_tokens = 24
+    max_tokens = 20
 
     async def one(ac, msgs, spec):
         stream = await ac.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, stream=True,

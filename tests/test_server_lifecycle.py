@@ -75,7 +75,7 @@ def test_tiny_kv_pool(servers):
 def test_overload_503_then_sigterm_drains(servers):
     small, _ = servers
     # max_running 2 + max_queued 2 = 4 requests in flight at most
-    body = {"prompt": "Tell me a story.", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Tell me a story.", "max_tokens": 20, "ignore_eos": True, "stream": True}
     outs = [[] for _ in range(4)]
     threads = [threading.Thread(target=stream_lines, args=(small.url + "/v1/completions", body, o)) for o in outs]
     for t in threads:
