@@ -157,6 +157,14 @@ def _stats_delta(core, before: dict) -> dict:
 
 
 def _write(args, result: dict) -> None:
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    result = {"command": " ".join(sys.argv), "git_commit": commit, "cpu_count": os.cpu_count(), **result}
     if getattr(args, "output", None):
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=2))
@@ -217,6 +225,7 @@ def add_policies_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle-seed", type=int, default=0, help="seed of the shuffled submission order")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--settings", default="unlimited,constrained", help="which of unlimited, constrained")
+    p.add_argument("--num-requests", type=int, default=0, help="only the first N of the shuffled order (0: all)")
     p.add_argument("--constrained-max-running", type=int, default=8)
     p.add_argument("--constrained-kv-tokens", type=int, default=2048)
     _common_args(p, skip=("schedule_policy",))
@@ -228,6 +237,10 @@ def main_policies(args) -> int:
     n = len(workload["requests"])
     order = list(range(n))
     random.Random(args.shuffle_seed).shuffle(order)
+    if 0 < args.num_requests < n:
+        order = order[: args.num_requests]
+        n = len(order)
+        workload = dict(workload, stats={})  # the upper bound is the whole workload's
     settings = {"unlimited": {}, "constrained": {"max_running_requests": args.constrained_max_running,
                                                  "kv_tokens": args.constrained_kv_tokens}}
     results = []
@@ -245,7 +258,7 @@ def main_policies(args) -> int:
                  f"wall {r['wall_s']:.1f}s out {r['output_tokens_per_s']:.1f} tok/s")
     bound = workload.get("stats", {}).get("prefix_cache_hit_ratio_upper_bound")
     print(f"workload {workload.get('name')} ({n} requests, shuffle seed {args.shuffle_seed}); "
-          f"hit-rate upper bound {bound:.4f}; dtype {config.dtype}")
+          f"hit-rate upper bound {bound if bound is None else round(bound, 4)}; dtype {config.dtype}")
     print(f"{'setting':<12}{'policy':<11}{'running':>8}{'kv tok':>8}{'hit':>7}{'of bound':>9}{'computed':>9}"
           f"{'wall s':>8}{'out t/s':>8}{'tot t/s':>8}{'retract':>8}{'evicted':>8}{'load':>11}")
     for r in results:
@@ -319,8 +332,8 @@ def add_chunked_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-workload", default=RANDOM_WORKLOAD, help="source of the decoders' prompts")
     p.add_argument("--decoders", type=int, default=8)
     p.add_argument("--decoder-prompt-len", type=int, default=64)
-    p.add_argument("--decode-tokens", type=int, default=160)
-    p.add_argument("--long-prompts", type=int, default=4)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--long-prompts", type=int, default=3)
     p.add_argument("--long-prompt-len", type=int, default=4096)
     p.add_argument("--long-new-tokens", type=int, default=4)
     p.add_argument("--first-arrival", type=int, default=8, help="step of the first long prompt's arrival")
@@ -422,7 +435,7 @@ def add_eviction_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-uses", type=int, default=2, help="requests on the hot prefix per round")
     p.add_argument("--docs-per-round", type=int, default=4)
     p.add_argument("--kv-tokens", type=int, default=1536, help="KV pool size in tokens")
-    p.add_argument("--max-tokens", type=int, default=4, help="new tokens per request")
+    p.add_argument("--max-tokens", type=int, default=1, help="new tokens per request")
     _common_args(p, skip=("radix_eviction_policy",))
 
 
@@ -469,3 +482,20 @@ def register(sub) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add(p)
         p.set_defaults(bench_main=main)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m idleless.bench.scheduling {policies,chunked-prefill,eviction} ...`` (the same as
+    ``idleless bench ...``, without loading the other bench modules)."""
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m idleless.bench.scheduling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    register(parser.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.bench_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
