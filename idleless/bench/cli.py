@@ -14,13 +14,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Add the bench subcommands to the ``idleless bench`` parser."""
     from idleless.bench import offline
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{offline,policies,chunked-prefill,eviction}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{offline,serving,compare,plot,policies,chunked-prefill,eviction}", required=True)
     o = sub.add_parser("offline", help="offline throughput on a workload file (Engine in-process)",
                        description=offline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     offline.add_args(o)
     o.set_defaults(bench_main=offline.main)
     from idleless.bench import scheduling  # issue 4: policies, chunked-prefill, eviction
     scheduling.register(sub)
+    from idleless.bench import compare, plot, serving  # issue 5: serving client, baselines side by side, plots
+    for name, mod, helptext in (("serving", serving, "load an OpenAI-compatible server over HTTP (TTFT, TPOT, ITL, goodput, busy fraction)"),
+                                ("compare", compare, "one workload through Idleless, radix off, transformers, llama.cpp, vLLM"),
+                                ("plot", plot, "PNG of a run from an engine trace file and/or a serving result")):
+        p = sub.add_parser(name, help=helptext, description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_args(p)
+        p.set_defaults(bench_main=mod.main)
 
 
 def main(args: argparse.Namespace) -> int:
