@@ -124,6 +124,19 @@ def test_completions_stream_equals_non_stream_and_echo(client):
     assert texts[0] == echoed.choices[0].text
 
 
+def test_streaming_never_splits_utf8(client):
+    # the model continues an emoji run; each emoji is several byte-level tokens, so a stream that
+    # cut at token boundaries would show U+FFFD. Only a request cut by max_tokens in the middle of a
+    # character may end with one, in its last delta (and then identically when not streamed).
+    kw = dict(model=MODEL, prompt="Emoji story: \U0001F642\U0001F642\U0001F436\U0001F431", max_tokens=16,
+              temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    deltas = [c.text for ch in client.completions.create(stream=True, **kw) for c in ch.choices]
+    assert "".join(deltas) == full
+    assert any(ord(ch) > 0xFFFF for ch in full)  # it did produce emoji
+    assert all("\ufffd" not in d for d in deltas[:-1]), deltas
+
+
 def test_prompt_forms(client, http):
     ids = http.post("/v1/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
     a = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
