@@ -179,9 +179,6 @@ def test_dfs_weight_nested_groups_and_ties():
     assert rids(order_waiting(q, "dfs-weight", small_cache())) == ["a", "ab1", "ab2", "ac", "c", "b"]
 
 
-@pytest.mark.xfail(strict=True, reason="REPORTED to the lead: dfs-weight weighs subtrees by waiting requests only and "
-                                       "ignores the cache, so a group in service loses weight and the next admissions "
-                                       "switch groups (bench policies, constrained: 90% of the bound vs lpm 100%)")
 def test_dfs_weight_continues_the_group_already_in_service():
     """One request of group A ran (its prefix S + docA is cached); A has 3 waiting, B and C 4 each.
     Walking the cached tree first (as SGLang's dfs-weight does: the DFS runs over the radix cache,
@@ -299,9 +296,6 @@ def test_in_batch_prefix_sharing_defers_the_second_request(tiny_dir):
     assert first["y"] == 96 and first["x"] == 0 and first["z"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="REPORTED to the lead: in-batch sharing defers a request for one step only; "
-                                       "with chunked prefill it then matches only the first chunk and recomputes the rest "
-                                       "of the shared prefix beside the request still prefilling it")
 def test_shared_prefix_longer_than_a_chunk_is_computed_once(tiny_dir):
     core = make_core(tiny_dir, 4096, chunked_prefill_size=64)
     shared = rand_ids(300, 85)
@@ -643,8 +637,6 @@ def test_engine_generate_priority_keyword(tiny_tok_dir):
     assert eng.stats()["pinned_tokens"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (reported to the lead): add_request checks the whole pool, not the pool "
-                                       "minus pinned tokens; such a request is accepted and then never runs")
 def test_request_that_only_fits_without_the_pins_is_refused_not_stuck(tiny_dir):
     core = make_core(tiny_dir, 1000, chunked_prefill_size=256)  # pinned budget: a quarter, 250 tokens
     assert _pin(core, "sys", rand_ids(250, 210, 3, 9)) == (250, None)

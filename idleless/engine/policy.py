@@ -5,9 +5,10 @@
   most tokens already in the radix cache go first, so the prefixes they need are used before they
   are evicted.
 * ``dfs-weight`` (same paper, section 3): the waiting requests form a tree by their shared prompt
-  prefixes; walk it depth first, visiting heavier subtrees (more waiting requests) first, and take
-  requests in the order the walk reaches them. Requests that share a prefix run back to back, the
-  biggest groups first.
+  prefixes; walk it depth first, visiting cached subtrees before uncached ones (as SGLang's walk of
+  the radix tree does: a group already in service continues) and heavier subtrees (more waiting
+  requests) first, and take requests in the order the walk reaches them. Requests that share a
+  prefix run back to back.
 
 Both cache-aware policies fall back to fcfs when the queue is longer than ``fallback_threshold``
 (ordering costs grow with the queue). **Aging rule:** a request that has waited longer than
@@ -33,12 +34,14 @@ def _fcfs_key(r: Request):
     return (-r.priority, r.arrival_time)
 
 
-def dfs_weight_order(reqs: list[Request]) -> list[Request]:
-    """DFS over the prefix tree of ``reqs`` (block granularity), heaviest subtree first; ties by
-    the earliest arrival in the subtree. Requests ending at a node come before its children."""
-    root: dict = {"children": {}, "reqs": [], "weight": 0, "first": float("inf")}
+def dfs_weight_order(reqs: list[Request], cache=None) -> list[Request]:
+    """DFS over the prefix tree of ``reqs`` (block granularity): cached subtrees first (``cache``
+    needs ``peek_prefix_len``), then the heaviest; ties by the earliest arrival in the subtree.
+    Requests ending at a node come before its children."""
+    root: dict = {"children": {}, "reqs": [], "weight": 0, "first": float("inf"), "cached": True}
     for r in reqs:
         ids = r.all_ids
+        cached_blocks = cache.peek_prefix_len(ids) // DFS_BLOCK if cache is not None else 0
         node = root
         node["weight"] += 1
         node["first"] = min(node["first"], r.arrival_time)
@@ -46,7 +49,9 @@ def dfs_weight_order(reqs: list[Request]) -> list[Request]:
             key = tuple(ids[k:k + DFS_BLOCK])
             child = node["children"].get(key)
             if child is None:
-                child = node["children"][key] = {"children": {}, "reqs": [], "weight": 0, "first": float("inf")}
+                child = node["children"][key] = {"children": {}, "reqs": [], "weight": 0, "first": float("inf"),
+                                                 "cached": False}
+            child["cached"] |= k // DFS_BLOCK < cached_blocks
             node = child
             node["weight"] += 1
             node["first"] = min(node["first"], r.arrival_time)
@@ -56,7 +61,7 @@ def dfs_weight_order(reqs: list[Request]) -> list[Request]:
     while stack:
         node = stack.pop()
         out.extend(sorted(node["reqs"], key=lambda r: r.arrival_time))
-        kids = sorted(node["children"].values(), key=lambda c: (-c["weight"], c["first"]))
+        kids = sorted(node["children"].values(), key=lambda c: (not c["cached"], -c["weight"], c["first"]))
         stack.extend(reversed(kids))
     return out
 
@@ -85,5 +90,5 @@ def order_waiting(waiting: list[Request], policy: str, cache, fallback_threshold
         by_prio: dict[int, list[Request]] = {}
         for r in rest:
             by_prio.setdefault(r.priority, []).append(r)
-        ordered = [r for p in sorted(by_prio, reverse=True) for r in dfs_weight_order(by_prio[p])]
+        ordered = [r for p in sorted(by_prio, reverse=True) for r in dfs_weight_order(by_prio[p], cache)]
     return aged + ordered

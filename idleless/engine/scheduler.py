@@ -102,10 +102,11 @@ class Scheduler:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
                                param="prompt", code="invalid_prompt")
         req.params.validate(self.vocab_size)
-        limit = min(self.context_length, self.pool.num_slots)
+        limit = min(self.context_length, self.pool.num_slots - self.cache.pinned_size)
         if n >= limit:
             raise RequestError(f"the prompt has {n} tokens; this model serves at most {limit - 1} prompt tokens "
-                               f"(context length {self.context_length}, KV pool {self.pool.num_slots} tokens)",
+                               f"(context length {self.context_length}, KV pool {self.pool.num_slots} tokens, "
+                               f"{self.cache.pinned_size} of them pinned)",
                                param="prompt", code="context_length_exceeded")
         if req.params.max_new_tokens is None:
             req.params.max_new_tokens = limit - n
@@ -250,7 +251,13 @@ class Scheduler:
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
         cfg = self.config
         out = []
-        shared_blocks: set[int] = set()  # hashes of block-aligned prefixes admitted this step
+        shared_blocks: set[int] = set()  # hashes of block-aligned prefixes being computed now
+        if not isinstance(self.cache, NoPrefixCache):
+            for r in self.running:  # prompts still being prefilled in chunks count as in flight
+                if r.seq_len - r.num_computed > 1:
+                    ids = r.all_ids
+                    for end in range(SHARE_BLOCK, len(ids), SHARE_BLOCK):
+                        shared_blocks.add(hash(tuple(ids[:end])))
         now = time.monotonic()
         order = order_waiting(list(self.waiting), cfg.schedule_policy, self.cache,
                               cfg.schedule_fallback_threshold, cfg.max_queue_delay, now)
