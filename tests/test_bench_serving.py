@@ -28,7 +28,7 @@ from idleless.bench.serving import (BenchRequest, RequestResult, RunSettings, Se
                                     parse_slo, run_plan)
 from idleless.cli import main as cli_main
 
-TOL = 0.06  # s: scheduling jitter allowed; the smallest scripted gap is 0.2 s
+TOL = 0.15  # s: scheduling jitter allowed (a loaded 2-core machine); the smallest scripted gap is 0.4 s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,11 +163,11 @@ METRICS_AFTER = METRICS_BEFORE.replace("} 10.0", "} 13.6").replace('"schedule"} 
 # --------------------------------------------------------------------------------------------------
 SCRIPTS = {
     # A: three one-token chunks
-    1: {"ttft": 0.2, "gaps": [0.2, 0.3], "tokens": ["a", "b", "c"], "usage": _usage(10, 3, 4)},
+    1: {"ttft": 0.4, "gaps": [0.4, 0.6], "tokens": ["a", "b", "c"], "usage": _usage(10, 3, 4)},
     # B: two chunks, the second carrying two tokens (ITL sees one gap, TPOT divides by 3 - 1)
-    2: {"ttft": 0.5, "gaps": [0.2], "tokens": ["d", "ef"], "usage": _usage(10, 3, 0)},
+    2: {"ttft": 1.0, "gaps": [0.4], "tokens": ["d", "ef"], "usage": _usage(10, 3, 0)},
     # C: one token: no ITL, no TPOT
-    3: {"ttft": 0.3, "gaps": [], "tokens": ["g"], "usage": _usage(10, 1, 2)},
+    3: {"ttft": 0.6, "gaps": [], "tokens": ["g"], "usage": _usage(10, 1, 2)},
 }
 
 
@@ -185,7 +185,7 @@ def test_metrics_match_the_script(tmp_path):
     try:
         out = tmp_path / "res.json"
         rc = cli_main(["bench", "serving", "--base-url", srv.url, "--workload", _workload_file(tmp_path, [1, 2, 3]),
-                       "--warmup-requests", "0", "--slo", "ttft:400,tpot:300", "--output-file", str(out), "--quiet"])
+                       "--warmup-requests", "0", "--slo", "ttft:800,tpot:700", "--output-file", str(out), "--quiet"])
         assert rc == 0
         r = json.loads(out.read_text())
     finally:
@@ -204,14 +204,14 @@ def test_metrics_match_the_script(tmp_path):
         gaps = np.diff(row["chunk_s"]).tolist()
         assert gaps == pytest.approx(SCRIPTS[k]["gaps"], abs=TOL)
         if k in tpot:
-            assert row["tpot_s"] == pytest.approx(tpot[k], abs=TOL / 2)
+            assert row["tpot_s"] == pytest.approx(tpot[k], abs=TOL)
             # TPOT is exactly (latency - TTFT) / (output_len - 1) of the measured values
             assert row["tpot_s"] == pytest.approx((row["e2e_s"] - row["ttft_s"]) / (row["output_len"] - 1), abs=1e-5)
         else:
             assert row["tpot_s"] is None
     # distributions (ms): numpy percentiles of the scripted values
     for key, vals, tol in (("ttft_ms", list(ttft.values()), TOL), ("e2e_ms", list(e2e.values()), TOL),
-                           ("itl_ms", itl, TOL), ("tpot_ms", list(tpot.values()), TOL / 2)):
+                           ("itl_ms", itl, TOL), ("tpot_ms", list(tpot.values()), TOL)):
         a = np.asarray(vals) * 1000
         exp = {"mean": a.mean(), "median": np.median(a), "p90": np.percentile(a, 90), "p99": np.percentile(a, 99)}
         for stat, v in exp.items():
@@ -224,7 +224,7 @@ def test_metrics_match_the_script(tmp_path):
     assert m["request_throughput"] == pytest.approx(3 / dur)
     assert m["output_throughput"] == pytest.approx(7 / dur)
     assert m["total_throughput"] == pytest.approx(37 / dur)
-    # goodput: A (ttft .2, tpot .25) and C (ttft .3, no tpot) meet ttft<=400, tpot<=300; B (ttft .5) does not
+    # goodput: A (ttft .4, tpot .5) and C (ttft .6, no tpot) meet ttft<=800, tpot<=700; B (ttft 1.0) does not
     assert m["good_requests"] == 2 and m["goodput"] == pytest.approx(2 / dur)
     # busy fraction from the /metrics buckets scraped before and after: 3.6 / (4.5 - 0.5)
     b = r["busy"]
@@ -236,7 +236,7 @@ def test_metrics_match_the_script(tmp_path):
 
 def test_chat_role_chunk_is_not_the_first_token():
     """The chat role chunk (empty content) comes at once; TTFT is the first chunk with text."""
-    srv = FakeServer({"hi": {"ttft": 0.3, "gaps": [0.2], "tokens": ["x", "y"], "usage": None}})
+    srv = FakeServer({"hi": {"ttft": 0.6, "gaps": [0.4], "tokens": ["x", "y"], "usage": None}})
     try:
         plan = WorkloadPlan("chat", [BenchRequest("c", 2, messages=[{"role": "user", "content": "hi"}])], api="chat")
         results, start, end = asyncio.run(run_plan(plan, RunSettings(srv.url, "m")))
@@ -244,8 +244,8 @@ def test_chat_role_chunk_is_not_the_first_token():
         srv.close()
     (res,) = results
     assert res.success and res.text == "xy"
-    assert res.ttft == pytest.approx(0.3, abs=TOL)
-    assert res.itls == pytest.approx([0.2], abs=TOL)
+    assert res.ttft == pytest.approx(0.6, abs=TOL)
+    assert res.itls == pytest.approx([0.4], abs=TOL)
     assert res.output_len == 2  # no usage and no tokenizer: one token per text chunk
     assert res.cached_tokens is None
     m = compute_metrics(results, end - start)
@@ -257,7 +257,7 @@ def test_max_concurrency_and_errors(tmp_path):
 
     def default(req):
         seen["n"] += 1
-        return {"ttft": 0.2, "gaps": [0.2], "tokens": ["a", "b"], "usage": _usage(10, 2, 0)}
+        return {"ttft": 0.4, "gaps": [0.4], "tokens": ["a", "b"], "usage": _usage(10, 2, 0)}
 
     srv = FakeServer(default=default)
     try:
@@ -266,8 +266,8 @@ def test_max_concurrency_and_errors(tmp_path):
         results, start, end = asyncio.run(run_plan(plan, RunSettings(srv.url, "m", max_concurrency=2)))
         assert srv.max_inflight == 2
         assert all(r.success for r in results)
-        # 6 requests, 2 at a time, 0.4 s each: three waves
-        assert end - start == pytest.approx(3 * 0.4, abs=3 * TOL)
+        # 6 requests, 2 at a time, 0.8 s each: three waves
+        assert end - start == pytest.approx(3 * 0.8, abs=3 * TOL)
         # a failing server: the error is a result, not a crash
         bad = WorkloadPlan("x", [BenchRequest("b", 2, prompt=[1])])
         results, start, end = asyncio.run(run_plan(bad, RunSettings(srv.url.replace(str(srv.port), "1"), "m")))
