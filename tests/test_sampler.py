@@ -232,3 +232,18 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert got == alone
     other = _req(p, seed=43)
     assert [sample(logits[1:2], [other], set()).next_ids[0] for _ in range(21)] != alone
+
+
+def test_extreme_settings_do_not_crash_the_sampler():
+    """A temperature of 1e-259 (fuzzer-found) overflowed the logits and crashed the whole step:
+    it is greedy now, and non-finite probabilities fall back to the argmax."""
+    from idleless.engine.request import Request, SamplingParams
+    from idleless.model.sampler import sample
+    import torch
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    r = Request("x", [0], SamplingParams(temperature=1e-259))
+    r.generator = torch.Generator().manual_seed(0)
+    assert sample(logits, [r], set()).next_ids == [1]
+    r2 = Request("y", [0], SamplingParams(temperature=1e-30, top_k=2))  # not greedy by the rule, overflows
+    r2.generator = torch.Generator().manual_seed(0)
+    assert sample(logits, [r2], set()).next_ids == [1]

@@ -78,7 +78,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        """Temperatures below 1e-5 are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows."""
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise RequestError (with ``param``) on any out-of-range value; NaN is out of range."""
@@ -99,8 +100,8 @@ class SamplingParams:
             bad("min_p", "must be in [0, 1]")
         if self.top_k is None or (self.top_k < 1 and self.top_k not in (0, -1)):
             bad("top_k", "must be -1 or 0 (disabled) or >= 1")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            bad("repetition_penalty", "must be in [0.01, 100]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -93,6 +93,9 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: set[int]) -> Samp
                 continue
             row = truncate(row / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = torch.softmax(row, -1)
+            if not bool(torch.isfinite(probs).all()):  # overflow from extreme settings: fall back to argmax
+                next_ids.append(int(row.nan_to_num(nan=float("-inf")).argmax()))
+                continue
             next_ids.append(int(torch.multinomial(probs, 1, generator=r.generator)))
     logprobs: list[Optional[float]] = [None] * N
     tops: list[Optional[list[tuple[int, float]]]] = [None] * N
