@@ -273,8 +273,18 @@ def test_generate_native_and_admin(server, http):
                  "idleless:cache_hit_tokens_total", "idleless:cache_hit_rate", "idleless:num_running_reqs",
                  "idleless:num_waiting_reqs", "idleless:kv_usage", "idleless:time_to_first_token_seconds_bucket",
                  "idleless:inter_token_latency_seconds_bucket", "idleless:e2e_request_latency_seconds_bucket",
-                 "idleless:num_retractions_total"):
+                 "idleless:num_retractions_total", "idleless:evicted_tokens_total", "idleless:pinned_tokens",
+                 "idleless:busy_fraction"):
         assert name in m, name
+    # the engine's wall-time buckets are all exposed, and the busy fraction is a fraction
+    buckets = {}
+    for line in m.splitlines():
+        if line.startswith("idleless:engine_time_seconds_total{"):
+            buckets[line.split('bucket="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("idleless:busy_fraction{"):
+            busy = float(line.rsplit(" ", 1)[1])
+    assert set(buckets) == {"forward", "schedule", "io", "idle_no_work", "other"}
+    assert buckets["forward"] > 0 and buckets["idle_no_work"] > 0 and 0.0 < busy <= 1.0
 
 
 # ------------------------------------------------------------------------------------------------

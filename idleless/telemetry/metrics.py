@@ -16,6 +16,9 @@ Engine-core state (read from the core when /metrics is scraped):
   idleless:kv_tokens{state=total|free|cached|in_use}
   idleless:cache_hit_rate (engine: cached / prompt tokens of finished requests)
   idleless:num_retractions_total, idleless:engine_steps_total
+  idleless:engine_time_seconds_total{bucket=forward|schedule|io|idle_no_work|other}, idleless:busy_fraction
+  idleless:evicted_tokens_total, idleless:pinned_tokens, idleless:cache_hit_rate_window,
+  idleless:queue_time_seconds_total
   idleless:engine_healthy (1 when the core answered the scrape's stats call)
 """
 
@@ -78,8 +81,22 @@ class _CoreCollector:
         yield counter("idleless:num_retractions", "running requests sent back to the queue for lack of KV",
                       s.get("num_retractions", 0))
         yield counter("idleless:engine_steps", "scheduler steps that ran the model", s.get("num_steps", 0))
-        yield counter("idleless:engine_forward_seconds", "seconds spent in the model forward + sampling",
-                      s.get("forward_time", 0.0))
+        yield counter("idleless:evicted_tokens", "tokens evicted from the radix cache", s.get("evicted_tokens", 0))
+        yield gauge("idleless:pinned_tokens", "tokens pinned in the radix cache", s.get("pinned_tokens", 0))
+        yield gauge("idleless:cache_hit_rate_window", "radix cache hit rate over the last 256 admitted requests",
+                    s.get("window_hit_rate", 0.0))
+        yield counter("idleless:queue_time_seconds", "seconds admitted requests waited before admission (sum)",
+                      s.get("queue_time", 0.0))
+        t = s.get("time") or {}
+        if t:
+            eb = CounterMetricFamily("idleless:engine_time_seconds",
+                                     "engine-core wall time by exclusive bucket (sums to the wall time)",
+                                     labels=names + ["bucket"])
+            for b in ("forward", "schedule", "io", "idle_no_work", "other"):
+                eb.add_metric(values + [b], float(t.get(b, 0.0)))
+            yield eb
+            yield gauge("idleless:busy_fraction", "forward / (wall - idle_no_work) since start",
+                        t.get("busy_fraction", 0.0))
 
 
 class ServerMetrics:
