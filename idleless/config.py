@@ -71,7 +71,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"  # lru | gdsf (value-aware)
     max_pinned_tokens: Optional[int] = None  # cap on pinned prefix tokens; default a quarter of the pool
-    num_threads: int = 0  # torch intra-op threads; 0 = all cores
+    num_threads: int = 0  # torch intra-op threads; 0 = all cores offline, all but one for `idleless serve`
     trace_file: Optional[str] = None
     log_level: str = "info"
     served_model_name: Optional[str] = None
