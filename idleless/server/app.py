@@ -77,7 +77,7 @@ class APIKeyMiddleware:
     def __init__(self, app, api_key: str, metrics: Optional[ServerMetrics] = None,
                  open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.metrics = metrics
         self.open_paths = set(open_paths)
 
@@ -88,7 +88,8 @@ class APIKeyMiddleware:
                 if k == b"authorization":
                     got = v
                     break
-            if not hmac.compare_digest(got, self.expected):
+            scheme, _, token = got.partition(b" ")  # the scheme is case-insensitive (RFC 7235 section 2.1)
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
                 if self.metrics is not None:
                     self.metrics.observe_rejected("unauthorized")
                 msg = "missing API key (Authorization: Bearer ...)" if not got else "incorrect API key"

@@ -174,6 +174,9 @@ class _SamplingRequest(_Lenient):
         fields we do not support; value ranges are checked later by SamplingParams.validate."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options", code="invalid_value")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format other than text is not supported", param="response_format",
                            code="unsupported_parameter")

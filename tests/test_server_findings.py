@@ -1,0 +1,38 @@
+"""OpenAI-compatibility findings of a new-user pass (each failed before its fix)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server_harness import MAIN_API_KEY, MAIN_ARGS, shared_server
+
+
+@pytest.fixture(scope="module")
+def srv(smollm2_dir, pytestconfig):
+    return shared_server(pytestconfig, MAIN_ARGS, api_key=MAIN_API_KEY)
+
+
+def _post(srv, path, body, headers=None):
+    return httpx.post(srv.url + path, json=body, headers=headers if headers is not None else srv.headers, timeout=300)
+
+
+def _assert_error_shape(r, status=400):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_bearer_scheme_is_case_insensitive(srv):
+    """RFC 7235 s2.1: the auth scheme is case-insensitive; `Authorization: bearer <key>` gets 401."""
+    r = _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1},
+              headers={"Authorization": f"bearer {srv.api_key}"})
+    assert r.status_code == 200, r.text
+
+
+def test_stream_options_without_stream_is_rejected(srv):
+    """OpenAI: 400 "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+    Idleless silently ignores it (200)."""
+    r = _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}})
+    _assert_error_shape(r)
+    assert r.json()["error"]["param"] == "stream_options"
