@@ -194,13 +194,30 @@ class LlamaCppBaseline:
 
     Raises ImportError when llama_cpp is not installed."""
 
-    def __init__(self, gguf_path: str, n_ctx: int, n_threads: int, n_batch: int = 512):
+    def __init__(self, gguf_path: str, n_ctx: int, n_threads: int, n_batch: int = 512, extra_bufts: bool = False):
+        """``extra_bufts``: llama.cpp's repacked weight buffers (CPU_REPACK, AMX). Off by default:
+        a native build on this machine's AMX CPU segfaults in ``ggml_backend_amx_mul_mat`` on the
+        Q4_1 GGUF (llama-cpp-python 0.3.36), so the plain quantized kernels run instead."""
         import llama_cpp
+        import llama_cpp.llama_cpp as lowlevel
 
         self.version = getattr(llama_cpp, "__version__", None)
+        self.extra_bufts = extra_bufts
         t = time.perf_counter()
-        self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=n_threads,
-                                   n_threads_batch=n_threads, n_batch=n_batch, verbose=False)
+        default_params = lowlevel.llama_model_default_params
+
+        def params():
+            p = default_params()
+            if hasattr(p, "use_extra_bufts"):
+                p.use_extra_bufts = bool(extra_bufts)
+            return p
+
+        lowlevel.llama_model_default_params = params  # Llama() takes no such argument: patch its default
+        try:
+            self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=n_threads,
+                                       n_threads_batch=n_threads, n_batch=n_batch, verbose=False)
+        finally:
+            lowlevel.llama_model_default_params = default_params
         self.load_seconds = time.perf_counter() - t
         self.path = gguf_path
 
@@ -364,7 +381,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 n_ctx = max(len(p) + n for p, n in zip(prompts, max_new)) + 8
                 _log(f"llama.cpp: loading {gguf} (n_ctx {n_ctx}, {threads} threads, load {load_avg()})")
-                llama = LlamaCppBaseline(gguf, n_ctx, threads)
+                llama = LlamaCppBaseline(gguf, n_ctx, threads, extra_bufts=args.llamacpp_repack)
                 llama.generate(prompts[0][:16], 4, reset=True)
                 l0 = load_avg()
                 r = llama.run_sequential(prompts, max_new)
@@ -372,7 +389,8 @@ def run(args: argparse.Namespace) -> dict:
                 ptok = sum(len(p) for p in prompts)
                 res = _run_summary(r["wall_s"], ptok, r["cached"], ptok - r["cached"], out_tok, len(items), cost, pg)
                 wb = gguf_weight_bytes(gguf)
-                res.update(label=f"llama.cpp {llama.version} (llama-cpp-python, sequential)",
+                res.update(label=f"llama.cpp {llama.version} (llama-cpp-python, sequential"
+                                 f"{', repack' if args.llamacpp_repack else ''})",
                            precision=f"GGUF ({os.path.basename(gguf)})", gguf_weight_bytes=wb,
                            load_avg_1m_before=l0, load_avg_1m_after=load_avg())
                 systems["llamacpp"] = res
@@ -487,7 +505,8 @@ def markdown_table(r: dict) -> str:
     if "llamacpp" in r["systems"]:
         notes.append("llama.cpp runs the GGUF's quantized weights (fewer bytes per decode step: its MBU counts "
                      "those bytes) and one request at a time; its prompt hits are its reuse of the previous "
-                     "request's prefix.")
+                     "request's prefix; weight repacking off (its AMX kernel crashes on this CPU) unless "
+                     "--llamacpp-repack.")
     return "\n".join(lines + [" ".join(notes)])
 
 
@@ -533,6 +552,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--batch1-prompt-len", type=int, default=32)
     parser.add_argument("--batch1-reps", type=int, default=3)
+    parser.add_argument("--llamacpp-repack", action="store_true",
+                        help="let llama.cpp repack weights (CPU_REPACK/AMX buffers); off: its AMX path crashes here")
     parser.add_argument("--telemetry-overhead", type=int, default=0, metavar="PAIRS",
                         help="interleaved Idleless runs with and without a trace file (0: skip)")
     parser.add_argument("--peak-mem-bw-gbs", type=float, default=DEFAULT_PEAK_MEM_BW_GBS)
