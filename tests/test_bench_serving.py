@@ -198,7 +198,8 @@ def test_metrics_match_the_script(tmp_path):
     # the server's ground truth, same clock: client TTFT / ITL are its chunk arrivals
     for k, row in rows.items():
         assert row["ttft_s"] == pytest.approx(ttft[k], abs=TOL)
-        assert row["e2e_s"] == pytest.approx(e2e[k], abs=TOL)
+        # E2E sums the server's sleeps, so their jitter adds up: one TOL per scripted sleep
+        assert row["e2e_s"] == pytest.approx(e2e[k], abs=TOL * (1 + len(SCRIPTS[k]["gaps"])))
         assert row["chunks"] == len(SCRIPTS[k]["tokens"])
         assert row["output_len"] == SCRIPTS[k]["usage"]["completion_tokens"]
         gaps = np.diff(row["chunk_s"]).tolist()
@@ -210,7 +211,7 @@ def test_metrics_match_the_script(tmp_path):
         else:
             assert row["tpot_s"] is None
     # distributions (ms): numpy percentiles of the scripted values
-    for key, vals, tol in (("ttft_ms", list(ttft.values()), TOL), ("e2e_ms", list(e2e.values()), TOL),
+    for key, vals, tol in (("ttft_ms", list(ttft.values()), TOL), ("e2e_ms", list(e2e.values()), TOL * 3),
                            ("itl_ms", itl, TOL), ("tpot_ms", list(tpot.values()), TOL)):
         a = np.asarray(vals) * 1000
         exp = {"mean": a.mean(), "median": np.median(a), "p90": np.percentile(a, 90), "p99": np.percentile(a, 99)}

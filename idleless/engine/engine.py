@@ -217,8 +217,13 @@ class Engine:
         states = self._submit(ids, params, handler_for, priority)
         self._ensure_loop_thread()
         try:
-            while not all(st.finished for st in states) or not queue.empty():
+            # Each choice ends with exactly one delta carrying its finish_reason; count those rather
+            # than reading st.finished, which the engine thread sets before the delta is queued.
+            done = 0
+            while done < len(states):
                 delta = await queue.get()
+                if delta.finish_reason is not None:
+                    done += 1
                 yield delta
         finally:
             unfinished = [st for st in states if not st.finished]
