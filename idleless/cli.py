@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from idleless.server import launch
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     launch.add_args(s)
-    s.set_defaults(func=launch.main)
+    s.set_defaults(func=lambda a: launch.exit_process(launch.main(a) or 0))
 
     from idleless.bench import cli as bench_cli
     b = sub.add_parser("bench", help="benchmarks")

@@ -17,4 +17,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.exit_process(main())
