@@ -444,9 +444,7 @@ class Scheduler:
 
     def kv_usage(self) -> dict:
         """Slot ownership in tokens: free + cached (tree) + in_use (requests' own) == total."""
-        own = sum(len(r.slots) - r.num_tree_tokens for r in self.running if r.slots is not None)
-        if self.pool.page_size > 1:
-            ps = self.pool.page_size
-            own = sum(-(-(len(r.slots) - r.num_tree_tokens) // ps) * ps for r in self.running if r.slots is not None)
+        ps = self.pool.page_size  # a request's own slots occupy whole pages
+        own = sum(-(-(len(r.slots) - r.num_tree_tokens) // ps) * ps for r in self.running if r.slots is not None)
         return {"total": self.pool.num_slots, "free": self.pool.num_free_slots,
                 "cached": self.cache.total_size, "in_use": own}
