@@ -21,6 +21,7 @@ from hf_ref import check_greedy, hf_logits, load_hf
 from idleless.config import EngineConfig
 from idleless.engine.core_process import EngineCore
 from idleless.engine.request import Request, SamplingParams
+from idleless.model.layers import Linear, can_prepack
 from idleless.model.runner import ForwardBatch, ModelRunner
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -67,7 +68,7 @@ class MixedBatchDriver:
     are scattered; ``share(dst, src, n)`` makes request dst start with src's first n tokens and
     slots (KV read through another request's slots, as after a radix cache hit)."""
 
-    def __init__(self, runner: ModelRunner, seqs: dict[str, list[int]], seed: int = 0):
+    def __init__(self, runner: ModelRunner, seqs: dict[str, list[int]], seed: int = 0, scatter: bool = True):
         self.runner = runner
         self.pool = runner.pool
         self.seqs = seqs
@@ -78,7 +79,7 @@ class MixedBatchDriver:
         n = self.pool.num_free_slots
         all_slots = self.pool.alloc(0, 0, n)
         g = torch.Generator().manual_seed(seed)
-        self.pool.free(all_slots[torch.randperm(n, generator=g)])
+        self.pool.free(all_slots[torch.randperm(n, generator=g)] if scatter else all_slots.sort().values)
 
     def share(self, dst: str, src: str, n: int) -> None:
         assert self.seqs[dst][:n] == self.seqs[src][:n] and self.done[src] >= n and self.done[dst] == 0
@@ -142,6 +143,44 @@ def test_forward_matches_transformers_in_mixed_batches(tmp_path, arch, tie, over
         assert_logits_close(ours, ref[positions], f"{arch} request {r}")
 
 
+@pytest.mark.parametrize("scatter", [True, False], ids=["gathered-keys", "pool-view-keys"])
+def test_cascade_segments_match_transformers(tmp_path, scatter):
+    """Shared-prefix (cascade) attention: six requests hold the same 40-token prefix through the same
+    slots, and two pairs of them a further 20 tokens each (nested segments); then mixed extends and
+    decode steps. Each request's logits must be transformers' full-sequence logits. With scattered
+    slots the shared keys are gathered; with a fresh (ordered) pool they are read as a view."""
+    path = make_tiny_model(tmp_path)
+    runner = _runner(path)
+    hf = load_hf(path)
+    g = torch.Generator().manual_seed(7)
+
+    def rand(n):
+        return torch.randint(3, 256, (n,), generator=g).tolist()
+
+    system, doc1, doc2 = rand(40), rand(20), rand(20)
+    seqs = {"s": system + doc1 + rand(3), "t": system + doc1 + rand(5), "u": system + doc2 + rand(4),
+            "v": system + doc2 + rand(6), "w": system + rand(7), "x": system + rand(2)}
+    drv = MixedBatchDriver(runner, seqs, scatter=scatter)
+    metas = []
+    prepare = runner.backend.prepare
+    runner.backend.prepare = lambda *a: metas.append(prepare(*a)) or metas[-1]
+    drv.step({"s": 60})  # system prompt + doc1 in one piece
+    drv.step({"u": 60})
+    for r in "tvwx":
+        drv.share(r, "s" if r in "t" else "u" if r == "v" else "s", 60 if r in "tv" else 40)
+    drv.step({"s": 1, "t": 3, "u": 2, "v": 4, "w": 5, "x": 1})  # extends on shared prefixes + decode
+    while any(drv.done[r] < len(seqs[r]) for r in seqs):  # decode to the end
+        drv.step({r: 1 for r in seqs if drv.done[r] < len(seqs[r])})
+    segs = [s for m in metas[2:] for s in m.segments]
+    assert segs, "the shared prefixes were not run as segments"
+    assert all((s.first_slot is None) == scatter for s in segs)
+    for r, seq in seqs.items():
+        ref = hf_logits(hf, seq[: drv.done[r]])
+        positions = sorted(drv.logits[r])
+        ours = torch.stack([drv.logits[r][p] for p in positions])
+        assert_logits_close(ours, ref[positions], f"request {r}")
+
+
 def test_bfloat16_forward_is_close_to_float32(tmp_path):
     """bfloat16 weights and KV (float32 norms and rope tables): same argmax on nearly every row and
     logits within bf16 accuracy. Loose by nature (8 mantissa bits): a sanity check of the dtype path."""
@@ -157,6 +196,31 @@ def test_bfloat16_forward_is_close_to_float32(tmp_path):
     ours = torch.stack([drv.logits["a"][p] for p in range(40)])
     assert float((ours - ref).abs().max()) < 0.1 * float(ref.abs().max())
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="needs a oneDNN CPU build")
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)], ids=["llama-tied", "qwen2-bias"])
+def test_prepacked_weights_give_the_plain_linear_logits(tmp_path, arch, tie):
+    """bf16 with oneDNN-packed weights (the default on CPU) vs F.linear on the same weights: the packed
+    product is the same bf16 GEMM in another memory layout, so the logits of a mixed batch (extend
+    rows and decode rows, several row counts) agree to bf16 rounding; a wrong layout or a dropped bias
+    (qwen2) or an untied head that read the embedding would move them by O(1)."""
+    path = make_tiny_model(tmp_path, arch=arch, tie=tie)
+    cfg = dict(model=path, dtype="bfloat16", kv_cache_memory="2MiB", num_threads=TEST_THREADS)
+    packed, plain = ModelRunner(EngineConfig(**cfg)), ModelRunner(EngineConfig(disable_weight_prepack=True, **cfg))
+    assert packed.prepacked_bytes > 0 and plain.prepacked_bytes == 0
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    g = torch.Generator().manual_seed(5)
+    seqs = {"a": torch.randint(3, 256, (37,), generator=g).tolist(), "b": torch.randint(3, 256, (9,), generator=g).tolist()}
+    out = {}
+    for name, runner in (("packed", packed), ("plain", plain)):
+        drv = MixedBatchDriver(runner, seqs)
+        drv.step({"a": 30, "b": 8})
+        drv.step({"a": 7, "b": 1})
+        out[name] = torch.stack([drv.logits[r][p] for r in "ab" for p in range(len(seqs[r]))])
+    scale = float(out["plain"].abs().max())
+    assert float((out["packed"] - out["plain"]).abs().max()) <= 0.02 * scale
 
 
 def test_mistral_sliding_window(tmp_path):

@@ -53,10 +53,13 @@ class TailGroup:
 @dataclass
 class Segment:
     """A KV stretch (slots [L]) shared by several requests and fully visible to all their query
-    rows (rows [R], batch rows)."""
+    rows (rows [R], batch rows). first_slot: set when the slots are the ascending run
+    first_slot .. first_slot + L - 1 (a prompt prefilled in one piece usually is), so the keys are a
+    view of the pool instead of a gathered copy."""
 
     rows: torch.Tensor
     slots: torch.Tensor
+    first_slot: int | None = None
 
 
 @dataclass
@@ -165,7 +168,10 @@ class TorchNativeAttention:
         segments = []
         for reqs, a, b in seg_list:
             rows = torch.cat([torch.arange(starts[i], starts[i] + extend_lens[i]) for i in reqs])
-            segments.append(Segment(rows, slot_tables[reqs[0]][a:b]))
+            slots = slot_tables[reqs[0]][a:b]
+            first = int(slots[0])
+            run = int(slots[-1]) - first == b - a - 1 and bool((slots.diff() == 1).all())
+            segments.append(Segment(rows, slots, first if run else None))
         # tails: positions [shared[i], seq_len) of each request, causal for its new tokens
         kv_lens = [p + e - s for p, e, s in zip(prefix_lens, extend_lens, shared)]
         G = self.group
@@ -246,8 +252,13 @@ class TorchNativeAttention:
         R = s.rows.numel()
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
         qs = q[s.rows].view(R, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, R * G, D)
-        ks = kc[s.slots].permute(1, 0, 2).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-        vs = vc[s.slots].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+        if s.first_slot is not None:  # a view: the kernel reads strided keys, nothing is copied
+            end = s.first_slot + s.slots.numel()
+            kseg, vseg = kc[s.first_slot:end], vc[s.first_slot:end]
+        else:
+            kseg, vseg = kc[s.slots], vc[s.slots]
+        ks = kseg.permute(1, 0, 2).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+        vs = vseg.permute(1, 0, 2).unsqueeze(0).to(q.dtype)
         o, lse = _flash(qs, ks, vs, scale=self.scale)
         o = o.view(Hkv, R, G, D).permute(1, 0, 2, 3).reshape(R, Hkv * G, D)
         lse = lse.view(Hkv, R, G).permute(1, 0, 2).reshape(R, Hkv * G)

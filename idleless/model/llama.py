@@ -62,16 +62,25 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # a tied lm_head shares the embedding's Parameter (so it may still be prepacked on its own)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
+                              weight=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, meta, out_cache_loc, sample_rows):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, self.rope, backend, meta, out_cache_loc)
-        x = self.norm(x[sample_rows])
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, w).float()
+        return self.lm_head(self.norm(x[sample_rows])).float()
+
+    def prepack_weights(self) -> int:
+        """Pre-pack every linear's weight (``Linear.prepack``); returns the extra bytes held."""
+        extra = 0
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepack()
+                extra += m.weight.numel() * m.weight.element_size()
+        return extra
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor."""
@@ -84,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
             self.norm.weight.copy_(get("model.norm.weight"))
-            if self.lm_head is not None:
+            if not self.cfg.tie_word_embeddings:
                 self.lm_head.weight.copy_(get("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."

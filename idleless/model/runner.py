@@ -11,6 +11,7 @@ import torch
 from idleless.cache.kv_pool import KVPool
 from idleless.config import EngineConfig
 from idleless.model.attention import TorchNativeAttention
+from idleless.model.layers import can_prepack
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
 
@@ -71,6 +72,9 @@ class ModelRunner:
         self.model.rope.sin = self.model.rope.sin.float()
         self.model.load_weights(load_state_dict(self.model_dir, self.dtype))
         self.model.eval()
+        self.prepacked_bytes = 0
+        if not config.disable_weight_prepack and can_prepack(self.dtype, config.device):
+            self.prepacked_bytes = self.model.prepack_weights()
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
