@@ -147,8 +147,9 @@ def test_forward_matches_transformers_in_mixed_batches(tmp_path, arch, tie, over
 def test_cascade_segments_match_transformers(tmp_path, scatter):
     """Shared-prefix (cascade) attention: six requests hold the same 40-token prefix through the same
     slots, and two pairs of them a further 20 tokens each (nested segments); then mixed extends and
-    decode steps. Each request's logits must be transformers' full-sequence logits. With scattered
-    slots the shared keys are gathered; with a fresh (ordered) pool they are read as a view."""
+    decode steps. Each request's logits must be transformers' full-sequence logits. The two documents
+    run as one padded kernel call; with scattered slots the system prompt's keys are gathered, with a
+    fresh (ordered) pool they are read as a view."""
     path = make_tiny_model(tmp_path)
     runner = _runner(path)
     hf = load_hf(path)
@@ -173,7 +174,9 @@ def test_cascade_segments_match_transformers(tmp_path, scatter):
         drv.step({r: 1 for r in seqs if drv.done[r] < len(seqs[r])})
     segs = [s for m in metas[2:] for s in m.segments]
     assert segs, "the shared prefixes were not run as segments"
-    assert all((s.first_slot is None) == scatter for s in segs)
+    # the system prompt (all six rows) runs alone; the two documents (disjoint rows) in one padded call
+    assert any(s.q_index.shape[0] == 2 and s.mask is not None for s in segs)
+    assert all((s.kv_index is None) == (not scatter and s.q_index.shape[0] == 1) for s in segs)
     for r, seq in seqs.items():
         ref = hf_logits(hf, seq[: drv.done[r]])
         positions = sorted(drv.logits[r])

@@ -51,21 +51,28 @@ class TailGroup:
 
 
 @dataclass
-class Segment:
-    """A KV stretch (slots [L]) shared by several requests and fully visible to all their query
-    rows (rows [R], batch rows). first_slot: set when the slots are the ascending run
-    first_slot .. first_slot + L - 1 (a prompt prefilled in one piece usually is), so the keys are a
-    view of the pool instead of a gathered copy."""
+class SegmentGroup:
+    """Shared KV stretches attended in one kernel call: S stretches, each shared by several requests
+    and fully visible to all their query rows, with pairwise disjoint rows, padded to Rmax rows and
+    Lmax keys. q_index [S, Rmax] batch rows (padding -> row 0); kv_index [S, Lmax] slots (padding ->
+    slot 0), or None when S == 1 and the slots are the ascending run first_slot .. first_slot+Lmax-1
+    (a prompt prefilled in one piece usually is), read as a view of the pool instead of a copy;
+    mask [S, 1, Rmax*G, Lmax] additive, None when nothing is padded; valid [S*Rmax] bool marks real
+    rows, whose batch rows are out_rows [n_valid] (distinct)."""
 
-    rows: torch.Tensor
-    slots: torch.Tensor
-    first_slot: int | None = None
+    q_index: torch.Tensor
+    kv_index: torch.Tensor | None
+    first_slot: int
+    num_keys: int
+    mask: torch.Tensor | None
+    valid: torch.Tensor
+    out_rows: torch.Tensor
 
 
 @dataclass
 class AttnMetadata:
     tails: list[TailGroup]
-    segments: list[Segment]
+    segments: list[SegmentGroup]
     num_tokens: int
     identity: bool  # one tail group whose valid rows are the batch rows in order, and no segment
 
@@ -165,13 +172,9 @@ class TorchNativeAttention:
         if self.use_segments and B > 1 and window is None:
             eligible = [e <= MAX_SEGMENT_EXTEND for e in extend_lens]
             seg_list, shared = find_shared_segments(prefix_lens, slot_tables, eligible)
-        segments = []
-        for reqs, a, b in seg_list:
-            rows = torch.cat([torch.arange(starts[i], starts[i] + extend_lens[i]) for i in reqs])
-            slots = slot_tables[reqs[0]][a:b]
-            first = int(slots[0])
-            run = int(slots[-1]) - first == b - a - 1 and bool((slots.diff() == 1).all())
-            segments.append(Segment(rows, slots, first if run else None))
+        segments = self._segment_groups(
+            [(torch.cat([torch.arange(starts[i], starts[i] + extend_lens[i]) for i in reqs]),
+              slot_tables[reqs[0]][a:b]) for reqs, a, b in seg_list])
         # tails: positions [shared[i], seq_len) of each request, causal for its new tokens
         kv_lens = [p + e - s for p, e, s in zip(prefix_lens, extend_lens, shared)]
         G = self.group
@@ -204,6 +207,54 @@ class TorchNativeAttention:
                     and torch.equal(tails[0].out_rows, torch.arange(acc)))
         return AttnMetadata(tails, segments, acc, identity)
 
+    def _segment_groups(self, segs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[SegmentGroup]:
+        """Pack segments (rows [R], slots [L]) into kernel calls: by length, a group takes a segment
+        whose rows it does not hold yet while its padded area stays within 1.5x its real area + 4096
+        (the merge after the call writes each row once, so a group's rows must be distinct)."""
+        groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        cur, cur_rows, real = [], set(), 0
+        for rows, slots in sorted(segs, key=lambda s: s[1].numel()):
+            r, l = rows.numel(), slots.numel()
+            max_r = max([r] + [x.numel() for x, _ in cur])
+            max_l = max([l] + [y.numel() for _, y in cur])
+            rset = set(rows.tolist())
+            if cur and (rset & cur_rows or (len(cur) + 1) * max_r * max_l > 1.5 * (real + r * l) + 4096):
+                groups.append(cur)
+                cur, cur_rows, real = [], set(), 0
+            cur.append((rows, slots))
+            cur_rows |= rset
+            real += r * l
+        if cur:
+            groups.append(cur)
+        G, dtype = self.group, self.pool.dtype
+        out = []
+        for grp in groups:
+            S = len(grp)
+            Rm = max(rows.numel() for rows, _ in grp)
+            Lm = max(slots.numel() for _, slots in grp)
+            q_index = torch.zeros(S, Rm, dtype=torch.int64)
+            kv_index = torch.zeros(S, Lm, dtype=torch.int64)
+            rlen = torch.tensor([rows.numel() for rows, _ in grp])
+            llen = torch.tensor([slots.numel() for _, slots in grp])
+            for j, (rows, slots) in enumerate(grp):
+                q_index[j, : rows.numel()] = rows
+                kv_index[j, : slots.numel()] = slots
+            valid2d = torch.arange(Rm)[None, :] < rlen[:, None]  # [S, Rm]
+            mask = None
+            if bool((rlen < Rm).any() or (llen < Lm).any()):
+                allowed = (torch.arange(Lm)[None, None, :] < llen[:, None, None]).expand(S, Rm, Lm).clone()
+                allowed[:, :, 0] |= ~valid2d  # padded query rows attend to one key (no NaN rows)
+                mask = torch.zeros(S, Rm, Lm, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+                mask = mask[:, :, None, :].expand(S, Rm, G, Lm).reshape(S, 1, Rm * G, Lm)
+            first, view = int(kv_index[0, 0]), False
+            if S == 1:
+                sl = grp[0][1]
+                view = int(sl[-1]) - first == Lm - 1 and bool((sl.diff() == 1).all())
+            valid = valid2d.reshape(-1)
+            out.append(SegmentGroup(q_index, None if view else kv_index, first, Lm, mask, valid,
+                                    q_index.reshape(-1)[valid]))
+        return out
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttnMetadata, out_cache_loc: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens, rotated) -> output [T, H, D] in q's dtype.
@@ -229,10 +280,11 @@ class TorchNativeAttention:
             lse[g.out_rows] = l[g.valid]
         for s in meta.segments:
             o, l = self._segment(q, kc, vc, s)
-            prev_l = lse[s.rows]
+            rows = s.out_rows
+            prev_l = lse[rows]
             new_l = torch.logaddexp(prev_l, l)
-            out[s.rows] = out[s.rows] * torch.exp(prev_l - new_l)[..., None] + o.float() * torch.exp(l - new_l)[..., None]
-            lse[s.rows] = new_l
+            out[rows] = out[rows] * torch.exp(prev_l - new_l)[..., None] + o.float() * torch.exp(l - new_l)[..., None]
+            lse[rows] = new_l
         return out.to(q.dtype)
 
     def _tail(self, q, kc, vc, g: TailGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,19 +299,22 @@ class TorchNativeAttention:
         lse = lse.view(B, Hkv, E, G).permute(0, 2, 1, 3).reshape(B * E, Hkv * G)
         return o, lse
 
-    def _segment(self, q, kc, vc, s: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (out [R, H, D], lse [R, H]) of the segment's rows against its shared keys."""
-        R = s.rows.numel()
+    def _segment(self, q, kc, vc, g: SegmentGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out [n_valid, H, D], lse [n_valid, H]) of a segment group's rows against its keys."""
+        S, Rm = g.q_index.shape
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
-        qs = q[s.rows].view(R, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, R * G, D)
-        if s.first_slot is not None:  # a view: the kernel reads strided keys, nothing is copied
-            end = s.first_slot + s.slots.numel()
-            kseg, vseg = kc[s.first_slot:end], vc[s.first_slot:end]
+        qs = q[g.q_index].view(S, Rm, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(S, Hkv, Rm * G, D)
+        if g.kv_index is None:  # a view: the kernel reads strided keys, nothing is copied
+            end = g.first_slot + g.num_keys
+            ks = kc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+            vs = vc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
         else:
-            kseg, vseg = kc[s.slots], vc[s.slots]
-        ks = kseg.permute(1, 0, 2).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-        vs = vseg.permute(1, 0, 2).unsqueeze(0).to(q.dtype)
-        o, lse = _flash(qs, ks, vs, scale=self.scale)
-        o = o.view(Hkv, R, G, D).permute(1, 0, 2, 3).reshape(R, Hkv * G, D)
-        lse = lse.view(Hkv, R, G).permute(1, 0, 2).reshape(R, Hkv * G)
+            ks = kc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)  # [S, Hkv, Lmax, D]
+            vs = vc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)
+        mask = None if g.mask is None else g.mask.to(q.dtype)
+        o, lse = _flash(qs, ks, vs, attn_mask=mask, scale=self.scale)
+        o = o.view(S, Hkv, Rm, G, D).permute(0, 2, 1, 3, 4).reshape(S * Rm, Hkv * G, D)
+        lse = lse.view(S, Hkv, Rm, G).permute(0, 2, 1, 3).reshape(S * Rm, Hkv * G)
+        if g.mask is not None:
+            o, lse = o[g.valid], lse[g.valid]
         return o, lse
