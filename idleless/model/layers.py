@@ -28,10 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # F.rms_norm accumulates in float32 and rounds once to x's dtype: HF's float32 normalisation,
+        # then the cast, then the weight in x's dtype (checked bit-exact against the unfused ops)
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
 def can_prepack(dtype: torch.dtype, device: str = "cpu") -> bool:
@@ -91,8 +90,9 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoFormer, arXiv 2104.09864) in HF's rotate-half layout.
 
     Supports rope_scaling types: none/default, ``linear`` and ``llama3``. cos/sin tables
-    [max_positions, head_dim] are float32; ``forward(positions [T], q [T,H,D], k [T,Hkv,D])``
-    returns rotated q, k in their input dtype."""
+    [max_positions, head_dim] are float32. Per forward: ``cos, sin = rope.tables(positions [T], dtype)``
+    (each [T, 1, head_dim], looked up once for all layers), then per layer
+    ``RotaryEmbedding.apply(x [T, N, head_dim], cos, sin)`` -> rotated x (q and k heads together)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict]):
         super().__init__()
@@ -115,12 +115,13 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] in ``dtype`` (HF also rotates in the activations' dtype)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @classmethod
+    def apply(cls, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + cls._rotate_half(x) * sin
 
 
 class GatedMLP(nn.Module):

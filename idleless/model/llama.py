@@ -26,14 +26,14 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, backend: TorchNativeAttention,
+    def forward(self, x, rope_cs: tuple[torch.Tensor, torch.Tensor], backend: TorchNativeAttention,
                 meta: AttnMetadata, out_cache_loc):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        nqk = self.num_heads + self.num_kv_heads  # q and k heads rotated in one pass
+        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(T, nqk, self.head_dim), *rope_cs)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, self.layer_id, meta, out_cache_loc)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -46,8 +46,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rope, backend, meta, out_cache_loc):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, meta, out_cache_loc)
+    def forward(self, x, rope_cs, backend, meta, out_cache_loc):
+        x = x + self.self_attn(self.input_layernorm(x), rope_cs, backend, meta, out_cache_loc)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -69,8 +69,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, meta, out_cache_loc, sample_rows):
         x = self.embed_tokens(input_ids)
+        rope_cs = self.rope.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, backend, meta, out_cache_loc)
+            x = layer(x, rope_cs, backend, meta, out_cache_loc)
         return self.lm_head(self.norm(x[sample_rows])).float()
 
     def prepack_weights(self) -> int:
