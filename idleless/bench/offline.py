@@ -485,7 +485,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-gflops", type=float, default=DEFAULT_PEAK_GFLOPS,
                         help="matmul peak for MFU, GFLOP/s (of the run's dtype)")
     parser.add_argument("--measure-peaks", action="store_true",
-                        help="also probe copy bandwidth and matmul GFLOP/s here (recorded, informational)")
+                        help="also probe copy bandwidth and matmul GFLOP/s here; MFU / MBU are then taken "
+                             "against the probed peaks unless --peak-gflops / --peak-mem-bw-gbs are given")
     parser.add_argument("--output", default=None, help="write the figures as JSON to this file")
     add_cli_args(parser)
 
@@ -550,8 +551,14 @@ def run(args: argparse.Namespace) -> dict:
     }
     result["host"] = _host_info()
     if args.measure_peaks:
-        result["measured_peaks"] = measure_peaks(dtype)
-        _log(f"measured peaks: {result['measured_peaks']}")
+        mp = result["measured_peaks"] = measure_peaks(dtype)
+        _log(f"measured peaks: {mp}")
+        # MFU / MBU against what this machine just did, unless the peaks were given explicitly
+        if peak_gflops == DEFAULT_PEAK_GFLOPS:
+            peak_gflops = mp["matmul_gflops"]
+        if peak_bw == DEFAULT_PEAK_MEM_BW_GBS:
+            peak_bw = mp["copy_gbs"]
+        result["peaks"] = {"mem_bw_gbs": round(peak_bw, 1), "matmul_gflops": round(peak_gflops)}
     warmup_engine(engine, items[0].prompt_ids)
     res, idl_out = run_engine_workload(engine, items, wl, cost, peak_gflops)
     res["radix_cache"] = not config.disable_radix_cache
