@@ -57,6 +57,7 @@ class Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PREPACK_ROWS_HINT)
 
     def unpack(self) -> None:
+        """Drop the packed copy; forward goes back to F.linear on ``weight``."""
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
