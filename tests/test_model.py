@@ -172,6 +172,7 @@ def test_cascade_segments_match_transformers(tmp_path, scatter):
     drv.step({"s": 1, "t": 3, "u": 2, "v": 4, "w": 5, "x": 1})  # extends on shared prefixes + decode
     while any(drv.done[r] < len(seqs[r]) for r in seqs):  # decode to the end
         drv.step({r: 1 for r in seqs if drv.done[r] < len(seqs[r])})
+    assert metas[0].tails[0].causal  # a lone prefill runs in the kernel's causal mode
     segs = [s for m in metas[2:] for s in m.segments]
     assert segs, "the shared prefixes were not run as segments"
     # the system prompt (all six rows) runs alone; the two documents (disjoint rows) in one padded call

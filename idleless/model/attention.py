@@ -40,14 +40,17 @@ MAX_SEGMENT_EXTEND = 64
 class TailGroup:
     """Requests' tails padded together. token_index [B, E] and kv_index [B, L] int64 (padding
     points at row/slot 0); mask [B, 1, E*G, L] additive float (0 = attend, -inf = not), rows
-    repeated G times for grouped-query heads; valid [B*E] bool marks real query rows, whose batch
-    rows are out_rows [n_valid]."""
+    repeated G times for grouped-query heads, None when every row sees every key (decode rows of
+    equal length); valid [B*E] bool marks real query rows, whose batch rows are out_rows [n_valid].
+    causal: a lone request with no earlier keys (a plain prefill, E == L): the kernel's own causal
+    mode, which skips the upper triangle, on K/V expanded to the query heads; mask is None then."""
 
     token_index: torch.Tensor
     kv_index: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     valid: torch.Tensor
     out_rows: torch.Tensor
+    causal: bool = False
 
 
 @dataclass
@@ -199,10 +202,13 @@ class TorchNativeAttention:
             if window is not None:  # no segments then, so tail positions are absolute positions
                 allowed &= torch.arange(L)[None, None, :] > qpos - window
             allowed[:, :, 0] |= ~valid2d  # padded query rows attend to one key (no NaN rows)
-            mask = torch.zeros(nb, E, L, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-            mask = mask[:, :, None, :].expand(nb, E, G, L).reshape(nb, 1, E * G, L)
+            causal = nb == 1 and E == L and E > 1 and window is None and int(pre[0]) == 0
+            mask = None
+            if not causal and not bool(allowed.all()):
+                mask = torch.zeros(nb, E, L, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+                mask = mask[:, :, None, :].expand(nb, E, G, L).reshape(nb, 1, E * G, L)
             valid = valid2d.reshape(-1)
-            tails.append(TailGroup(token_index, kv_index, mask, valid, token_index.reshape(-1)[valid]))
+            tails.append(TailGroup(token_index, kv_index, mask, valid, token_index.reshape(-1)[valid], causal))
         identity = (not segments and len(tails) == 1 and bool(tails[0].valid.all())
                     and torch.equal(tails[0].out_rows, torch.arange(acc)))
         return AttnMetadata(tails, segments, acc, identity)
@@ -291,10 +297,17 @@ class TorchNativeAttention:
         """-> (out [B*E, H, D], lse [B*E, H]) for a padded tail group."""
         B, E = g.token_index.shape
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        if g.causal:  # [1, H, E, D] against K/V repeated to H heads (q head h reads kv head h // G)
+            qh = q[g.token_index].view(1, E, Hkv * G, D).transpose(1, 2)
+            kh = kc[g.kv_index].to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
+            vh = vc[g.kv_index].to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
+            o, lse = _flash(qh, kh, vh, is_causal=True, scale=self.scale)
+            return o.transpose(1, 2).reshape(E, Hkv * G, D), lse.transpose(1, 2).reshape(E, Hkv * G)
         qg = q[g.token_index].view(B, E, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, E * G, D)
         kg = kc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
         vg = vc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)
-        o, lse = _flash(qg, kg, vg, attn_mask=g.mask.to(q.dtype), scale=self.scale)
+        mask = None if g.mask is None else g.mask.to(q.dtype)
+        o, lse = _flash(qg, kg, vg, attn_mask=mask, scale=self.scale)
         o = o.view(B, Hkv, E, G, D).permute(0, 2, 1, 3, 4).reshape(B * E, Hkv * G, D)
         lse = lse.view(B, Hkv, E, G).permute(0, 2, 1, 3).reshape(B * E, Hkv * G)
         return o, lse
