@@ -80,6 +80,9 @@ def test_health_models_and_auth(server, client):
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.get(server.url + "/v1/models", headers=headers)
         assert r.status_code == 401

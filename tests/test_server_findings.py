@@ -36,3 +36,21 @@ def test_stream_options_without_stream_is_rejected(srv):
     r = _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}})
     _assert_error_shape(r)
     assert r.json()["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "ab\\ud800"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/generate", '{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}', "text"),
+    ("/v1/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_lone_surrogate_is_a_400(srv, path, body, param):
+    """JSON may escape a lone UTF-16 surrogate ("\\udfff"), which has no UTF-8 form: the tokenizer
+    raised TypeError and the server answered 500 (and dropped the keep-alive connection)."""
+    with httpx.Client(base_url=srv.url, headers={**srv.headers, "Content-Type": "application/json"}, timeout=60) as c:
+        r = c.post(path, content=body)
+        _assert_error_shape(r)
+        assert r.json()["error"]["param"] == param and "surrogate" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})  # same connection, still served
+        assert ok.status_code == 200, ok.text

@@ -68,9 +68,12 @@ class Engine:
         chat template); a list of ids is taken as is; a list of message dicts gets the chat
         template. Raises RequestError for anything else."""
         if isinstance(prompt, str):
-            if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
+            try:
+                if chat:
+                    return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                return self.tokenizer.encode(prompt)
+            except ValueError as e:  # not valid Unicode
+                raise RequestError(str(e), param="prompt") from e
         if isinstance(prompt, (list, tuple)):
             if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 return list(prompt)

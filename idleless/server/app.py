@@ -247,12 +247,15 @@ def build_app(client: EngineClient, settings: ServerSettings, metrics: Optional[
                         f"hold (context length / KV pool limit {client.limit_tokens} tokens)", param=param,
                         code="context_length_exceeded")
 
-    async def encode(text: str, param: str = "prompt") -> list[int]:
+    async def encode(text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         if len(text) > max_chars:
             raise too_long(len(text), param)
-        if len(text) > big_text:
-            return await asyncio.to_thread(tok.encode, text)
-        return tok.encode(text)
+        try:
+            if len(text) > big_text:
+                return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+            return tok.encode(text, add_special_tokens)
+        except ValueError as e:  # not valid Unicode (a lone surrogate)
+            raise APIError(400, f"the {param}: {e}", param=param, code="invalid_value") from None
 
     async def render_chat(msgs: list[dict], **kwargs) -> list[int]:
         chars = sum(len(m["content"]) for m in msgs)
@@ -535,6 +538,14 @@ def build_app(client: EngineClient, settings: ServerSettings, metrics: Optional[
                  for name in settings.model_names]
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        """OpenAI's model retrieve: the card of a served name, else a 404 error object."""
+        if model not in settings.model_names:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        card = ModelCard(id=model, root=settings.model_path, max_model_len=client.limit_tokens)
+        return Response(card.model_dump_json(), media_type="application/json")
+
     # -- native and admin routes ---------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request):
@@ -646,9 +657,7 @@ def build_app(client: EngineClient, settings: ServerSettings, metrics: Optional[
             ids = await render_chat([m.to_template() for m in req.messages],
                                     add_generation_prompt=bool(req.add_generation_prompt))
         else:
-            if len(req.prompt) > max_chars:
-                raise too_long(len(req.prompt), "prompt")
-            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=bool(req.add_special_tokens))
+            ids = await encode(req.prompt, "prompt", bool(req.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": client.limit_tokens})
 
     @app.post("/v1/detokenize")

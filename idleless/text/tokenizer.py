@@ -213,10 +213,20 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids. ``add_special_tokens`` adds BOS/EOS only where the tokenizer is
-        configured to (its ``add_bos_token`` / post-processor); for SmolLM2 it adds nothing."""
+        configured to (its ``add_bos_token`` / post-processor); for SmolLM2 it adds nothing.
+        Raises TypeError for a non-str, ValueError for a str that is not valid Unicode (a lone
+        UTF-16 surrogate such as JSON's "\\udfff", which has no UTF-8 form)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
+                                 f"character {e.start}") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Token ids -> text. Invalid or partial UTF-8 becomes U+FFFD; no space clean-up."""
