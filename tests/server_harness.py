@@ -44,7 +44,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "idleless.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+        # its own process group, as under systemd or a container runtime: a signal to the group
+        # reaches the frontend and the engine core together, and never this test process
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})},
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -56,6 +56,9 @@ def test_tiny_kv_pool(servers):
     r = httpx.post(small.url + "/v1/completions", json={"prompt": "hi", "max_tokens": slots + 10})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "KV pool" in r.json()["error"]["message"]
+    # more sequences than the server ever runs at once (2 running + 2 queued): a 400, not a 503 to retry
+    r = httpx.post(small.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     # two requests that cannot both hold their whole sequence: retraction, but both finish
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": slots // 2 + 10, "ignore_eos": True, "temperature": 0}
     outs = [[], []]
@@ -89,8 +92,9 @@ def test_overload_503_then_sigterm_drains(servers):
     assert r.headers.get("retry-after")
     assert r.json()["error"]["code"] == "server_overloaded"
     assert httpx.get(small.url + "/health").status_code == 200
-    # SIGTERM while the 4 streams run: they all finish, new connections are refused, exit code 0
-    small.proc.send_signal(signal.SIGTERM)
+    # SIGTERM to the whole process group (systemd, `timeout`, `kill -- -PGID`: the engine core gets it
+    # too) while the 4 streams run: they all finish, new connections are refused, exit code 0
+    os.killpg(small.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
     while True:  # the listening socket closes at once, while the streams still run
         try:

@@ -303,11 +303,14 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
     ``out_addr`` (lists of RequestOutput / ControlReply), loads the model, sends ``[CoreReady]``
     (or ``[CoreFailed]`` and exits 1), then runs ``EngineCoreLoop`` until a ``shutdown`` control
     call or the parent's death. ``extra_eos_ids``: more ids that end generation (the tokenizer's,
-    as the offline Engine adds them). SIGINT is ignored: the frontend drives the shutdown.
+    as the offline Engine adds them). SIGINT and SIGTERM are ignored: a signal to the whole process
+    group (Ctrl-C, systemd, ``timeout``) reaches the core too, and the frontend drives the shutdown
+    (drain, then ``shutdown``; SIGKILL if the core lingers; the core also leaves when its parent dies).
     """
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=str(config.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     ctx = zmq.Context()

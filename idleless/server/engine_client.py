@@ -205,7 +205,7 @@ class EngineClient:
         raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core (``shutdown`` control call, then terminate/kill if it lingers) and close
+        """Stop the core (``shutdown`` control call, then SIGKILL if it lingers: it ignores SIGTERM) and close
         the pipes. Idempotent. In-flight submissions get EngineDeadError."""
         if self.stopping and self.proc is None:
             return
@@ -219,10 +219,7 @@ class EngineClient:
         if proc is not None:
             await asyncio.to_thread(proc.join, timeout)
             if proc.is_alive():
-                log.warning("engine core did not exit; terminating it")
-                proc.terminate()
-                await asyncio.to_thread(proc.join, 5)
-            if proc.is_alive():
+                log.warning("engine core did not exit; killing it")
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
         self.proc = None
@@ -373,6 +370,10 @@ class EngineClient:
             self.check_request(ids, params)
         n = params.n
         count = len(prompts) * n
+        if count > self.max_inflight:  # could never be admitted: retrying is pointless, so not a 503
+            raise RequestError(f"{len(prompts)} prompt(s) x n={n} = {count} sequences, more than the server ever "
+                               f"runs at once ({self.max_inflight}: --max-running-requests + --max-queued-requests)",
+                               param="n", code="invalid_value")
         if self.num_inflight + count > self.max_inflight:
             raise Overloaded(f"{self.num_inflight} requests in flight; the limit is {self.max_inflight} "
                              f"(--max-running-requests + --max-queued-requests)")
