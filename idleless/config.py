@@ -14,9 +14,13 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
 
+MAX_RAM_FRACTION = 0.9
+
+
 def parse_memory(value: str | float | int) -> float:
     """Parse a memory budget: bytes (``2147483648``, ``2GiB``, ``512MB``) or a fraction of the
-    currently available RAM (``0.2``). Returns bytes (float). Raises ValueError on bad input."""
+    currently available RAM (``0.2``, at most ``MAX_RAM_FRACTION``: the model, activations and the
+    rest of the machine need the remainder). Returns bytes (float). Raises ValueError on bad input."""
     if isinstance(value, (int, float)):
         v = float(value)
     else:
@@ -31,6 +35,9 @@ def parse_memory(value: str | float | int) -> float:
             base = 1024 if "I" in unit else 1000
             return v * (base**mult if mult else 1)
     if 0 < v <= 1:
+        if v > MAX_RAM_FRACTION:
+            raise ValueError(f"memory size {value!r} reads as a fraction of the available RAM and takes more than "
+                             f"{MAX_RAM_FRACTION:g} of it; give a smaller fraction or bytes with a unit (e.g. 1GiB)")
         return v * available_memory_bytes()
     if v <= 0:
         raise ValueError("memory size must be positive")

@@ -25,7 +25,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from hf_ref import check_greedy, hf_logits, load_hf
 
 from idleless.cache.radix_cache import NoPrefixCache
-from idleless.config import EngineConfig
+from idleless.config import EngineConfig, available_memory_bytes, parse_memory
 from idleless.engine.core_process import EngineCore
 from idleless.engine.engine import Engine
 from idleless.engine.request import Request, RequestError, SamplingParams
@@ -723,3 +723,14 @@ def test_smollm2_bad_requests_do_not_disturb_a_stream(smollm2_engine, tmp_path):
     assert engine.flush_cache()
     kv = engine.stats()["kv"]
     assert kv["free"] == kv["total"]
+
+
+def test_parse_memory_units_fractions_and_limits():
+    """Bytes with binary / decimal units, plain bytes, fractions of the available RAM; a fraction above
+    0.9 (``--kv-cache-memory 1`` took all free RAM, 22 GiB here) and non-positive sizes are refused."""
+    assert parse_memory("2GiB") == 2 * 1024**3 and parse_memory("512MB") == 512e6 and parse_memory("64KiB") == 65536
+    assert parse_memory("4096") == 4096.0
+    assert abs(parse_memory("0.25") - 0.25 * available_memory_bytes()) <= 0.01 * available_memory_bytes()
+    for bad in ("1", 1, "0.95", "0", "-3", "lots"):
+        with pytest.raises(ValueError):
+            parse_memory(bad)
