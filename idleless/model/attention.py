@@ -295,39 +295,41 @@ class TorchNativeAttention:
 
     def _tail(self, q, kc, vc, g: TailGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (out [B*E, H, D], lse [B*E, H]) for a padded tail group."""
-        B, E = g.token_index.shape
-        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
         if g.causal:  # [1, H, E, D] against K/V repeated to H heads (q head h reads kv head h // G)
-            qh = q[g.token_index].view(1, E, Hkv * G, D).transpose(1, 2)
+            E, G, H, D = g.token_index.shape[1], self.group, self.num_heads, self.head_dim
+            qh = q[g.token_index].view(1, E, H, D).transpose(1, 2)
             kh = kc[g.kv_index].to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
             vh = vc[g.kv_index].to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
             o, lse = _flash(qh, kh, vh, is_causal=True, scale=self.scale)
-            return o.transpose(1, 2).reshape(E, Hkv * G, D), lse.transpose(1, 2).reshape(E, Hkv * G)
-        qg = q[g.token_index].view(B, E, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, E * G, D)
-        kg = kc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
-        vg = vc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)
-        mask = None if g.mask is None else g.mask.to(q.dtype)
-        o, lse = _flash(qg, kg, vg, attn_mask=mask, scale=self.scale)
+            return o.transpose(1, 2).reshape(E, H, D), lse.transpose(1, 2).reshape(E, H)
+        kg = kc[g.kv_index].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        vg = vc[g.kv_index].permute(0, 2, 1, 3)
+        return self._grouped_flash(q, g.token_index, kg, vg, g.mask)
+
+    def _grouped_flash(self, q, row_index, k, v, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """One flash call for B padded sets of query rows. row_index [B, E] batch rows of q;
+        k, v [B or 1, Hkv, L, D]; mask [B, 1, E*G, L] or None. The G query heads of each KV head are
+        folded into the row axis (rows e*G + g), so K/V are read once per KV head, not per query head.
+        -> (out [B*E, H, D], lse [B*E, H] float32)."""
+        B, E = row_index.shape
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        qg = q[row_index].view(B, E, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, E * G, D)
+        o, lse = _flash(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=None if mask is None else mask.to(q.dtype),
+                        scale=self.scale)
         o = o.view(B, Hkv, E, G, D).permute(0, 2, 1, 3, 4).reshape(B * E, Hkv * G, D)
         lse = lse.view(B, Hkv, E, G).permute(0, 2, 1, 3).reshape(B * E, Hkv * G)
         return o, lse
 
     def _segment(self, q, kc, vc, g: SegmentGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (out [n_valid, H, D], lse [n_valid, H]) of a segment group's rows against its keys."""
-        S, Rm = g.q_index.shape
-        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
-        qs = q[g.q_index].view(S, Rm, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(S, Hkv, Rm * G, D)
         if g.kv_index is None:  # a view: the kernel reads strided keys, nothing is copied
             end = g.first_slot + g.num_keys
-            ks = kc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-            vs = vc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+            ks = kc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
+            vs = vc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0)
         else:
-            ks = kc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)  # [S, Hkv, Lmax, D]
-            vs = vc[g.kv_index].permute(0, 2, 1, 3).to(q.dtype)
-        mask = None if g.mask is None else g.mask.to(q.dtype)
-        o, lse = _flash(qs, ks, vs, attn_mask=mask, scale=self.scale)
-        o = o.view(S, Hkv, Rm, G, D).permute(0, 2, 1, 3, 4).reshape(S * Rm, Hkv * G, D)
-        lse = lse.view(S, Hkv, Rm, G).permute(0, 2, 1, 3).reshape(S * Rm, Hkv * G)
+            ks = kc[g.kv_index].permute(0, 2, 1, 3)  # [S, Hkv, Lmax, D]
+            vs = vc[g.kv_index].permute(0, 2, 1, 3)
+        o, lse = self._grouped_flash(q, g.q_index, ks, vs, g.mask)
         if g.mask is not None:
             o, lse = o[g.valid], lse[g.valid]
         return o, lse
