@@ -52,5 +52,7 @@ def test_lone_surrogate_is_a_400(srv, path, body, param):
         r = c.post(path, content=body)
         _assert_error_shape(r)
         assert r.json()["error"]["param"] == param and "surrogate" in r.json()["error"]["message"]
+        if param == "messages":  # names the message, not a position in the rendered template
+            assert r.json()["error"]["message"].startswith("messages[0].content")
         ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})  # same connection, still served
         assert ok.status_code == 200, ok.text

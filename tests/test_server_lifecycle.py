@@ -59,6 +59,8 @@ def test_tiny_kv_pool(servers):
     # more sequences than the server ever runs at once (2 running + 2 queued): a 400, not a 503 to retry
     r = httpx.post(small.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = httpx.post(small.url + "/v1/completions", json={"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # n=1: too many prompts
     # two requests that cannot both hold their whole sequence: retraction, but both finish
     body = {"prompt": "Count: 1, 2, 3,", "max_tokens": slots // 2 + 10, "ignore_eos": True, "temperature": 0}
     outs = [[], []]

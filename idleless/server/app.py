@@ -261,6 +261,13 @@ def build_app(client: EngineClient, settings: ServerSettings, metrics: Optional[
         chars = sum(len(m["content"]) for m in msgs)
         if chars > max_chars:
             raise too_long(chars, "messages")
+        for i, m in enumerate(msgs):  # name the message, not a position in the rendered template
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"messages[{i}].content is not valid Unicode: a lone surrogate "
+                                    f"U+{ord(m['content'][e.start]):04X} at character {e.start}",
+                               param="messages", code="invalid_value") from None
         try:
             if chars > big_text:
                 return await asyncio.to_thread(tok.apply_chat_template, msgs, **kwargs)

@@ -373,7 +373,7 @@ class EngineClient:
         if count > self.max_inflight:  # could never be admitted: retrying is pointless, so not a 503
             raise RequestError(f"{len(prompts)} prompt(s) x n={n} = {count} sequences, more than the server ever "
                                f"runs at once ({self.max_inflight}: --max-running-requests + --max-queued-requests)",
-                               param="n", code="invalid_value")
+                               param="n" if n > 1 else "prompt", code="invalid_value")
         if self.num_inflight + count > self.max_inflight:
             raise Overloaded(f"{self.num_inflight} requests in flight; the limit is {self.max_inflight} "
                              f"(--max-running-requests + --max-queued-requests)")
