@@ -53,12 +53,8 @@ class Linear(nn.Module):
 
     def prepack(self) -> None:
         """Keep a oneDNN-packed copy of the current weight (same bytes again) and use it in forward.
-        Call again after the weight changes; ``unpack`` drops it. Requires ``can_prepack(weight.dtype)``."""
+        Call again after the weight changes. Requires ``can_prepack(weight.dtype)``."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PREPACK_ROWS_HINT)
-
-    def unpack(self) -> None:
-        """Drop the packed copy; forward goes back to F.linear on ``weight``."""
-        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

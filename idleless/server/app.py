@@ -39,6 +39,7 @@ from idleless.server.protocol import (PARAM_NAMES, APIError, ChatChoice, ChatCom
                                       TokenizeRequest, TopLogprob, UsageInfo, MAX_PROMPTS, error_body, parse_request)
 from idleless.telemetry.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from idleless.text.output import CompletionDelta, CompletionOutput
+from idleless.text.tokenizer import check_unicode
 
 log = logging.getLogger(__name__)
 
@@ -263,11 +264,9 @@ def build_app(client: EngineClient, settings: ServerSettings, metrics: Optional[
             raise too_long(chars, "messages")
         for i, m in enumerate(msgs):  # name the message, not a position in the rendered template
             try:
-                m["content"].encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise APIError(400, f"messages[{i}].content is not valid Unicode: a lone surrogate "
-                                    f"U+{ord(m['content'][e.start]):04X} at character {e.start}",
-                               param="messages", code="invalid_value") from None
+                check_unicode(m["content"], f"messages[{i}].content")
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_value") from None
         try:
             if chars > big_text:
                 return await asyncio.to_thread(tok.apply_chat_template, msgs, **kwargs)

@@ -221,11 +221,7 @@ class Tokenizer:
         try:
             return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
         except TypeError:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
-                                 f"character {e.start}") from None
+            check_unicode(text)  # the usual cause: raise the clear error
             raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -315,6 +311,16 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+
+
+def check_unicode(text: str, what: str = "text") -> None:
+    """Raise ValueError if ``text`` has no UTF-8 form: a lone UTF-16 surrogate (JSON may escape one,
+    "\\udfff"), which tokenizers reject with an opaque TypeError. The message names ``what``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
+                         f"character {e.start}") from None
 
 
 class IncrementalDetokenizer:
