@@ -28,6 +28,12 @@ from idleless.cache.kv_pool import KVPool
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] for an int64 index of any shape: [*index.shape, *t.shape[1:]]. index_select copies
+    whole rows (memcpy), 3-7x faster here than advanced indexing for the KV pool's 384-byte rows."""
+    return t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:])
+
 # A stretch shared by several requests becomes its own segment when it is at least this long (tokens);
 # shorter ones stay in the requests' tails (a segment costs a kernel launch per layer).
 MIN_SHARED_TOKENS = 16
@@ -297,13 +303,13 @@ class TorchNativeAttention:
         """-> (out [B*E, H, D], lse [B*E, H]) for a padded tail group."""
         if g.causal:  # [1, H, E, D] against K/V repeated to H heads (q head h reads kv head h // G)
             E, G, H, D = g.token_index.shape[1], self.group, self.num_heads, self.head_dim
-            qh = q[g.token_index].view(1, E, H, D).transpose(1, 2)
-            kh = kc[g.kv_index].to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
-            vh = vc[g.kv_index].to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
+            qh = _rows(q, g.token_index).view(1, E, H, D).transpose(1, 2)
+            kh = _rows(kc, g.kv_index).to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
+            vh = _rows(vc, g.kv_index).to(q.dtype).repeat_interleave(G, dim=2).transpose(1, 2)
             o, lse = _flash(qh, kh, vh, is_causal=True, scale=self.scale)
             return o.transpose(1, 2).reshape(E, H, D), lse.transpose(1, 2).reshape(E, H)
-        kg = kc[g.kv_index].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-        vg = vc[g.kv_index].permute(0, 2, 1, 3)
+        kg = _rows(kc, g.kv_index).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        vg = _rows(vc, g.kv_index).permute(0, 2, 1, 3)
         return self._grouped_flash(q, g.token_index, kg, vg, g.mask)
 
     def _grouped_flash(self, q, row_index, k, v, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,7 +319,7 @@ class TorchNativeAttention:
         -> (out [B*E, H, D], lse [B*E, H] float32)."""
         B, E = row_index.shape
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
-        qg = q[row_index].view(B, E, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, E * G, D)
+        qg = _rows(q, row_index).view(B, E, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, E * G, D)
         o, lse = _flash(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=None if mask is None else mask.to(q.dtype),
                         scale=self.scale)
         o = o.view(B, Hkv, E, G, D).permute(0, 2, 1, 3, 4).reshape(B * E, Hkv * G, D)
@@ -327,8 +333,8 @@ class TorchNativeAttention:
             ks = kc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
             vs = vc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0)
         else:
-            ks = kc[g.kv_index].permute(0, 2, 1, 3)  # [S, Hkv, Lmax, D]
-            vs = vc[g.kv_index].permute(0, 2, 1, 3)
+            ks = _rows(kc, g.kv_index).permute(0, 2, 1, 3)  # [S, Hkv, Lmax, D]
+            vs = _rows(vc, g.kv_index).permute(0, 2, 1, 3)
         o, lse = self._grouped_flash(q, g.q_index, ks, vs, g.mask)
         if g.mask is not None:
             o, lse = o[g.valid], lse[g.valid]
