@@ -65,6 +65,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | auto (bfloat16 when the CPU has native bf16)
     device: str = "cpu"
     disable_weight_prepack: bool = False  # bf16 on CPU: keep oneDNN-packed weights (faster linears, weights x2 RAM)
+    disable_cpu_kernels: bool = False  # CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, decode attention)
     seed: int = 0
     context_length: Optional[int] = None  # defaults to the model's max_position_embeddings
     kv_cache_memory: str = "2GiB"  # bytes ("2GiB") or a fraction of available RAM ("0.2")

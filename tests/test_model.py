@@ -21,6 +21,8 @@ from hf_ref import check_greedy, hf_logits, load_hf
 from idleless.config import EngineConfig
 from idleless.engine.core_process import EngineCore
 from idleless.engine.request import Request, SamplingParams
+from idleless.model import cpu_kernels
+from idleless.model.attention import DecodeGroup
 from idleless.model.layers import Linear, can_prepack
 from idleless.model.runner import ForwardBatch, ModelRunner
 
@@ -40,6 +42,9 @@ ARCHS = [
     pytest.param("llama", True, {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, id="linear-rope"),
     pytest.param("llama", False, {"head_dim": 32, "num_key_value_heads": 1}, id="mqa-head_dim32"),
     pytest.param("qwen2", False, {"num_key_value_heads": 4, "num_hidden_layers": 3}, id="qwen2-mha-3layers"),
+    # the eager PyTorch path (no fused CPU kernels), which every other case replaces where it can
+    pytest.param("llama", False, {"eager": True}, id="llama-eager"),
+    pytest.param("qwen2", True, {"eager": True}, id="qwen2-tied-eager"),
 ]
 
 # Tolerance (float32 on both sides): the two implementations do the same math in a different order
@@ -115,8 +120,11 @@ class MixedBatchDriver:
 
 @pytest.mark.parametrize("arch,tie,overrides", ARCHS)
 def test_forward_matches_transformers_in_mixed_batches(tmp_path, arch, tie, overrides):
+    overrides = dict(overrides)
+    eager = overrides.pop("eager", False)
     path = make_tiny_model(tmp_path, arch=arch, tie=tie, **overrides)
-    runner = _runner(path)
+    runner = _runner(path, disable_cpu_kernels=eager)
+    assert (runner.kernels is None) == (eager or cpu_kernels.load(torch.float32) is None)
     if "rope_scaling" in overrides:
         assert runner.model_config.rope_scaling["rope_type"] == overrides["rope_scaling"]["rope_type"]
     hf = load_hf(path)
@@ -143,15 +151,17 @@ def test_forward_matches_transformers_in_mixed_batches(tmp_path, arch, tie, over
         assert_logits_close(ours, ref[positions], f"{arch} request {r}")
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["kernels", "eager"])
 @pytest.mark.parametrize("scatter", [True, False], ids=["gathered-keys", "pool-view-keys"])
-def test_cascade_segments_match_transformers(tmp_path, scatter):
+def test_cascade_segments_match_transformers(tmp_path, scatter, eager):
     """Shared-prefix (cascade) attention: six requests hold the same 40-token prefix through the same
     slots, and two pairs of them a further 20 tokens each (nested segments); then mixed extends and
     decode steps. Each request's logits must be transformers' full-sequence logits. The two documents
     run as one padded kernel call; with scattered slots the system prompt's keys are gathered, with a
-    fresh (ordered) pool they are read as a view."""
+    fresh (ordered) pool they are read as a view. With the fused CPU kernels, decode rows attend their
+    tails in the decode kernel and the segments are merged in by the merge kernel."""
     path = make_tiny_model(tmp_path)
-    runner = _runner(path)
+    runner = _runner(path, disable_cpu_kernels=eager)
     hf = load_hf(path)
     g = torch.Generator().manual_seed(7)
 
@@ -178,6 +188,9 @@ def test_cascade_segments_match_transformers(tmp_path, scatter):
     # the system prompt (all six rows) runs alone; the two documents (disjoint rows) in one padded call
     assert any(s.q_index.shape[0] == 2 and s.mask is not None for s in segs)
     assert all((s.kv_index is None) == (not scatter and s.q_index.shape[0] == 1) for s in segs)
+    decode_groups = [t for m in metas for t in m.tails if isinstance(t, DecodeGroup)]
+    assert bool(decode_groups) == (runner.kernels is not None)
+    assert any(m.segments for m in metas if any(isinstance(t, DecodeGroup) for t in m.tails)) or eager
     for r, seq in seqs.items():
         ref = hf_logits(hf, seq[: drv.done[r]])
         positions = sorted(drv.logits[r])
@@ -225,6 +238,36 @@ def test_prepacked_weights_give_the_plain_linear_logits(tmp_path, arch, tie):
         out[name] = torch.stack([drv.logits[r][p] for r in "ab" for p in range(len(seqs[r]))])
     scale = float(out["plain"].abs().max())
     assert float((out["packed"] - out["plain"]).abs().max()) <= 0.02 * scale
+
+
+@pytest.mark.skipif(cpu_kernels.load(torch.bfloat16) is None, reason="no C compiler for the CPU kernels")
+def test_bfloat16_kernels_give_the_eager_logits(tmp_path):
+    """bfloat16 with the fused CPU kernels vs the eager PyTorch path on the same weights (head_dim 32,
+    so decode attention takes the AVX512-BF16 path where the CPU has it). Three requests, two sharing
+    a 24-token prefix (a cascade segment merged into decode tails), prefills then decode steps: the
+    kernels round where the eager ops round, so the logits agree to bf16 accuracy; a rope position
+    off by one, a lost residual add or a K/V row written to a wrong slot moves them by O(1)."""
+    path = make_tiny_model(tmp_path, head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 256, (24,), generator=g).tolist()
+    seqs = {"a": shared + torch.randint(3, 256, (9,), generator=g).tolist(),
+            "b": shared + torch.randint(3, 256, (7,), generator=g).tolist(),
+            "c": torch.randint(3, 256, (30,), generator=g).tolist()}
+    out = {}
+    for name, eager in (("kernels", False), ("eager", True)):
+        runner = ModelRunner(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="2MiB",
+                                          num_threads=TEST_THREADS, disable_cpu_kernels=eager))
+        assert (runner.kernels is None) == eager
+        drv = MixedBatchDriver(runner, seqs)
+        drv.step({"a": 26, "c": 25})
+        drv.share("b", "a", 24)
+        drv.step({"a": 1, "b": 1, "c": 1})
+        for _ in range(4):
+            drv.step({"a": 1, "b": 1, "c": 1})
+        out[name] = torch.stack([drv.logits[r][p] for r in "abc" for p in sorted(drv.logits[r])])
+    scale = float(out["eager"].abs().max())
+    assert float((out["kernels"] - out["eager"]).abs().max()) <= 0.03 * scale
+    assert (out["kernels"].argmax(-1) == out["eager"].argmax(-1)).float().mean() >= 0.9
 
 
 def test_mistral_sliding_window(tmp_path):

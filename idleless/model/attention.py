@@ -60,6 +60,17 @@ class TailGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Requests with one new token each, attended by the fused decode kernel (cpu_kernels) straight
+    from the pool: request b's query and output row is rows[b], its keys the slots
+    slots[offsets[b]:offsets[b+1]] (its tail; all visible). rows [B], offsets [B+1], slots int64."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass
 class SegmentGroup:
     """Shared KV stretches attended in one kernel call: S stretches, each shared by several requests
     and fully visible to all their query rows, with pairwise disjoint rows, padded to Rmax rows and
@@ -67,7 +78,7 @@ class SegmentGroup:
     slot 0), or None when S == 1 and the slots are the ascending run first_slot .. first_slot+Lmax-1
     (a prompt prefilled in one piece usually is), read as a view of the pool instead of a copy;
     mask [S, 1, Rmax*G, Lmax] additive, None when nothing is padded; valid [S*Rmax] bool marks real
-    rows, whose batch rows are out_rows [n_valid] (distinct)."""
+    rows, whose batch rows are out_rows [n_valid] (distinct), at rows src_rows of the padded output."""
 
     q_index: torch.Tensor
     kv_index: torch.Tensor | None
@@ -76,11 +87,12 @@ class SegmentGroup:
     mask: torch.Tensor | None
     valid: torch.Tensor
     out_rows: torch.Tensor
+    src_rows: torch.Tensor  # [n_valid] rows of the padded kernel output that are real (valid.nonzero())
 
 
 @dataclass
 class AttnMetadata:
-    tails: list[TailGroup]
+    tails: list[TailGroup | DecodeGroup]
     segments: list[SegmentGroup]
     num_tokens: int
     identity: bool  # one tail group whose valid rows are the batch rows in order, and no segment
@@ -155,8 +167,10 @@ class TorchNativeAttention:
     with shared-prefix (cascade) decomposition. Tensors: q [T, H, D], k/v [T, Hkv, D]."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, kernels=None):
         self.pool = pool
+        # cpu_kernels.CpuKernels of the pool dtype: KV writes, decode rows and cascade merges fused
+        self.kernels = kernels if kernels is not None and kernels.dtype == pool.dtype else None
         self.sliding_window = sliding_window  # Mistral: a query sees only the last `sliding_window` keys
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -192,6 +206,12 @@ class TorchNativeAttention:
         for idx in _group_requests(extend_lens, kv_lens):
             nb = len(idx)
             E = max(extend_lens[i] for i in idx)
+            if E == 1 and self.kernels is not None and window is None:
+                tails.append(DecodeGroup(
+                    torch.tensor([starts[i] for i in idx]),
+                    torch.cat([slot_tables[i][shared[i]:] for i in idx]),
+                    torch.tensor([0] + [kv_lens[i] for i in idx]).cumsum(0)))
+                continue
             L = max(kv_lens[i] for i in idx)
             ext = torch.tensor([extend_lens[i] for i in idx])
             pre = torch.tensor([prefix_lens[i] - shared[i] for i in idx])
@@ -215,8 +235,10 @@ class TorchNativeAttention:
                 mask = mask[:, :, None, :].expand(nb, E, G, L).reshape(nb, 1, E * G, L)
             valid = valid2d.reshape(-1)
             tails.append(TailGroup(token_index, kv_index, mask, valid, token_index.reshape(-1)[valid], causal))
-        identity = (not segments and len(tails) == 1 and bool(tails[0].valid.all())
-                    and torch.equal(tails[0].out_rows, torch.arange(acc)))
+        t0 = tails[0]
+        rows0 = t0.rows if isinstance(t0, DecodeGroup) else t0.out_rows
+        identity = (not segments and len(tails) == 1 and torch.equal(rows0, torch.arange(acc))
+                    and (isinstance(t0, DecodeGroup) or bool(t0.valid.all())))
         return AttnMetadata(tails, segments, acc, identity)
 
     def _segment_groups(self, segs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[SegmentGroup]:
@@ -264,34 +286,55 @@ class TorchNativeAttention:
                 view = int(sl[-1]) - first == Lm - 1 and bool((sl.diff() == 1).all())
             valid = valid2d.reshape(-1)
             out.append(SegmentGroup(q_index, None if view else kv_index, first, Lm, mask, valid,
-                                    q_index.reshape(-1)[valid]))
+                                    q_index.reshape(-1)[valid], valid.nonzero().reshape(-1)))
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: AttnMetadata, out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] (new tokens, rotated) -> output [T, H, D] in q's dtype.
-        Writes k/v into the pool at out_cache_loc [T] first."""
+        """q [T, H, D], k/v [T, Hkv, D] (new tokens, rotated; rows may be strided views) -> output
+        [T, H, D] in q's dtype. Writes k/v into the pool at out_cache_loc [T] first."""
         kc = self.pool.k_cache[layer_id]
         vc = self.pool.v_cache[layer_id]
-        kc.index_copy_(0, out_cache_loc, k.to(kc.dtype))
-        vc.index_copy_(0, out_cache_loc, v.to(vc.dtype))
-        if meta.identity:
-            return self._tail(q, kc, vc, meta.tails[0])[0]
+        kern = self.kernels
+        if kern is not None:
+            kern.kv_write(kc, k, out_cache_loc)
+            kern.kv_write(vc, v, out_cache_loc)
+        else:
+            kc.index_copy_(0, out_cache_loc, k.to(kc.dtype))
+            vc.index_copy_(0, out_cache_loc, v.to(vc.dtype))
         T, H, D = q.shape
+        if meta.identity:
+            g = meta.tails[0]
+            if isinstance(g, DecodeGroup):
+                out = torch.empty(T, H, D, dtype=q.dtype)
+                kern.decode_attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows)
+                return out
+            return self._tail(q, kc, vc, g)[0]
         if not meta.segments:
-            out = torch.empty_like(q)
+            out = torch.empty(T, H, D, dtype=q.dtype)
             for g in meta.tails:
-                o, _ = self._tail(q, kc, vc, g)
-                out[g.out_rows] = o[g.valid]
+                if isinstance(g, DecodeGroup):
+                    kern.decode_attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows)
+                else:
+                    o, _ = self._tail(q, kc, vc, g)
+                    out[g.out_rows] = o[g.valid]
             return out
         out = torch.empty(T, H, D, dtype=torch.float32)
         lse = torch.empty(T, H, dtype=torch.float32)
         for g in meta.tails:
+            if isinstance(g, DecodeGroup):
+                kern.decode_attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows, lse)
+                continue
             o, l = self._tail(q, kc, vc, g)
             out[g.out_rows] = o[g.valid].float()
             lse[g.out_rows] = l[g.valid]
         for s in meta.segments:
             o, l = self._segment(q, kc, vc, s)
+            if kern is not None:  # o, l: the padded kernel output, real rows at s.src_rows
+                kern.merge(out, lse, o, l, s.src_rows, s.out_rows)
+                continue
+            if s.mask is not None:
+                o, l = o[s.valid], l[s.valid]
             rows = s.out_rows
             prev_l = lse[rows]
             new_l = torch.logaddexp(prev_l, l)
@@ -327,7 +370,8 @@ class TorchNativeAttention:
         return o, lse
 
     def _segment(self, q, kc, vc, g: SegmentGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (out [n_valid, H, D], lse [n_valid, H]) of a segment group's rows against its keys."""
+        """-> (out [S*Rmax, H, D], lse [S*Rmax, H]) of a segment group's padded rows against its keys
+        (the real rows are g.valid / g.src_rows)."""
         if g.kv_index is None:  # a view: the kernel reads strided keys, nothing is copied
             end = g.first_slot + g.num_keys
             ks = kc[g.first_slot:end].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
@@ -335,7 +379,4 @@ class TorchNativeAttention:
         else:
             ks = _rows(kc, g.kv_index).permute(0, 2, 1, 3)  # [S, Hkv, Lmax, D]
             vs = _rows(vc, g.kv_index).permute(0, 2, 1, 3)
-        o, lse = self._grouped_flash(q, g.q_index, ks, vs, g.mask)
-        if g.mask is not None:
-            o, lse = o[g.valid], lse[g.valid]
-        return o, lse
+        return self._grouped_flash(q, g.q_index, ks, vs, g.mask)

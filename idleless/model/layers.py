@@ -20,14 +20,24 @@ from torch import nn
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich, arXiv 1910.07467) computed in float32, as HF Llama does.
 
-    x: [T, hidden] any float dtype -> same shape and dtype."""
+    ``norm(x)``: x [T, hidden] any float dtype -> same shape and dtype. ``norm(x, residual)``: the
+    residual add before the norm fused in (vLLM's fused_add_rms_norm): returns (norm(x + residual),
+    x + residual), the sum rounded to the dtype as HF's ``residual + hidden``; with ``kernels`` set
+    (cpu_kernels) the sum is written into ``residual`` in place."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.kernels = None  # CpuKernels of the model dtype, or None for the eager path
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.kernels is not None:
+            out = self.kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self.weight * F.rms_norm(residual, self.weight.shape, eps=self.eps), residual
         # F.rms_norm accumulates in float32 and rounds once to x's dtype: HF's float32 normalisation,
         # then the cast, then the weight in x's dtype (checked bit-exact against the unfused ops)
         return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
@@ -121,6 +131,10 @@ class RotaryEmbedding(nn.Module):
         return x * cos + cls._rotate_half(x) * sin
 
 
+# The fused SwiGLU kernel is single-threaded: it beats eager silu * up (two threads) only on a few rows.
+SILU_KERNEL_MAX_ROWS = 16
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one [2I, H] weight."""
 
@@ -129,7 +143,11 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.kernels = None  # CpuKernels (fused silu * up) or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and x.shape[0] <= SILU_KERNEL_MAX_ROWS:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

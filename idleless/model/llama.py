@@ -4,12 +4,29 @@ the KV pool. The model never knows about requests: it sees flat token rows and a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
 
 from idleless.model.attention import AttnMetadata, TorchNativeAttention
 from idleless.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from idleless.model.loader import ModelConfig
+
+
+@dataclass
+class StepContext:
+    """What every layer reads in one forward: positions / out_cache_loc int64 [T]; rope_cs the
+    (cos, sin) tables [T, 1, head_dim] of the eager path (None when the fused kernels rotate from
+    the rope module's float32 tables); the attention backend and its metadata for this batch."""
+
+    positions: torch.Tensor
+    rope: RotaryEmbedding
+    rope_cs: Optional[tuple[torch.Tensor, torch.Tensor]]
+    backend: TorchNativeAttention
+    meta: AttnMetadata
+    out_cache_loc: torch.Tensor
 
 
 class LlamaAttention(nn.Module):
@@ -25,20 +42,28 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.kernels = None  # CpuKernels (rope in place) or None
 
-    def forward(self, x, rope_cs: tuple[torch.Tensor, torch.Tensor], backend: TorchNativeAttention,
-                meta: AttnMetadata, out_cache_loc):
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         nqk = self.num_heads + self.num_kv_heads  # q and k heads rotated in one pass
-        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(T, nqk, self.head_dim), *rope_cs)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, nqk, self.head_dim)
+        if self.kernels is not None:
+            self.kernels.rope(qk, ctx.positions, ctx.rope.cos, ctx.rope.sin)
+        else:
+            qk = RotaryEmbedding.apply(qk, *ctx.rope_cs)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, self.layer_id, meta, out_cache_loc)
+        o = ctx.backend.forward(q, k, v, self.layer_id, ctx.meta, ctx.out_cache_loc)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """One decoder layer, residual carried beside the hidden state (vLLM's layout): takes the previous
+    layer's MLP output h and the residual stream (None at the first layer, where h is the embedding),
+    returns this layer's MLP output and the residual stream, so each residual add fuses into a norm."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -46,9 +71,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rope_cs, backend, meta, out_cache_loc):
-        x = x + self.self_attn(self.input_layernorm(x), rope_cs, backend, meta, out_cache_loc)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], ctx: StepContext):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -65,14 +95,26 @@ class LlamaForCausalLM(nn.Module):
         # a tied lm_head shares the embedding's Parameter (so it may still be prepacked on its own)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
                               weight=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
+        self.kernels = None
+
+    def use_kernels(self, kernels) -> None:
+        """Run the layer glue (norms, rope, SwiGLU) through ``kernels`` (a cpu_kernels.CpuKernels of
+        the model dtype), or through eager PyTorch ops with None."""
+        self.kernels = kernels
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, GatedMLP, LlamaAttention)):
+                m.kernels = kernels
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, meta, out_cache_loc, sample_rows):
-        x = self.embed_tokens(input_ids)
-        rope_cs = self.rope.tables(positions, x.dtype)
+        h = self.embed_tokens(input_ids)
+        rope_cs = None if self.kernels is not None else self.rope.tables(positions, h.dtype)
+        ctx = StepContext(positions, self.rope, rope_cs, backend, meta, out_cache_loc)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope_cs, backend, meta, out_cache_loc)
-        return self.lm_head(self.norm(x[sample_rows])).float()
+            h, residual = layer(h, residual, ctx)
+        h, _ = self.norm(h[sample_rows], residual[sample_rows])
+        return self.lm_head(h).float()
 
     def prepack_weights(self) -> int:
         """Pre-pack every linear's weight (``Linear.prepack``); returns the extra bytes held."""

@@ -10,6 +10,7 @@ import torch
 
 from idleless.cache.kv_pool import KVPool
 from idleless.config import EngineConfig
+from idleless.model import cpu_kernels
 from idleless.model.attention import TorchNativeAttention
 from idleless.model.layers import can_prepack
 from idleless.model.llama import LlamaForCausalLM
@@ -75,12 +76,14 @@ class ModelRunner:
         self.prepacked_bytes = 0
         if not config.disable_weight_prepack and can_prepack(self.dtype, config.device):
             self.prepacked_bytes = self.model.prepack_weights()
+        self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
+        self.model.use_kernels(self.kernels)
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size)
         self.backend = TorchNativeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                                            getattr(mc, "sliding_window", None))
+                                            getattr(mc, "sliding_window", None), self.kernels)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
                  self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,

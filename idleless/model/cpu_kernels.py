@@ -1,0 +1,221 @@
+"""Fused CPU kernels for the glue between a layer's matmuls: RMSNorm (with the residual add), rotary
+embedding, SwiGLU, KV-pool writes, decode attention and the cascade merge.
+
+Why: at decode each of these is 3-15 eager PyTorch ops on a few kilobytes, and inside a model step
+each op costs ~5 us of dispatch, so for SmolLM2 at batch 1 the glue took as long as the 269 MB of
+weight reads. The kernels are plain C (``cpu_kernels.c``), compiled on first use with the system C
+compiler (``cc -O3 -march=native``, no FMA contraction so products round as in PyTorch) into ``$IDLELESS_CACHE_DIR/kernels/`` keyed by the source, the
+flags and the CPU, and called through ctypes (~1 us a call). They round to the model dtype where
+PyTorch / Hugging Face do, so they agree with the eager path up to float32 summation order (tests
+check each against it and the model against transformers). Without a compiler, or with
+``EngineConfig.disable_cpu_kernels``, the model runs its eager PyTorch path.
+
+All methods take CPU tensors of the dtype the object was made for (float32 or bfloat16) and raise
+ValueError on a layout the kernel cannot read; index tensors are int64.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_LIB: dict[str, Optional[ctypes.CDLL]] = {}
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F],
+    "rope": [_P, _I, _P, _P, _P, _I, _I, _I],
+    "silu_mul": [_P, _P, _I, _I],
+    "kv_write": [_P, _P, _I, _P, _I, _I],
+    "decode_attn": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
+    "merge": [_P, _P, _P, _P, _P, _P, _I, _I, _I],
+}
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def build_library() -> Optional[Path]:
+    """Compile ``cpu_kernels.c`` into the cache (once per source / flags / CPU) and return the .so path,
+    or None (with a warning) when no C compiler is found or compiling fails."""
+    from idleless.model.loader import _cache_root
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        log.warning("no C compiler (cc/gcc) found: the fused CPU kernels are off, the eager path runs")
+        return None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc] + CFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out_dir = Path(_cache_root()) / "kernels"
+    so = out_dir / f"cpu_kernels-{key}.so"
+    if so.exists():
+        return so
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        try:
+            res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        except OSError as e:
+            log.warning("running the C compiler %s failed (eager path used): %s", cc, e)
+            return None
+        if res.returncode != 0:
+            log.warning("compiling the fused CPU kernels failed (eager path used):\n%s", res.stderr[-2000:])
+            return None
+        os.replace(tmp, so)  # atomic: concurrent builders each install a complete file
+        return so
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    if "lib" not in _LIB:
+        so = build_library()
+        lib = None
+        if so is not None:
+            try:
+                lib = ctypes.CDLL(str(so))
+            except OSError as e:
+                log.warning("loading the fused CPU kernels failed (eager path used): %s", e)
+        _LIB["lib"] = lib
+    return _LIB["lib"]
+
+
+def load(dtype: torch.dtype, device: str = "cpu") -> Optional["CpuKernels"]:
+    """The kernels for ``dtype`` on ``device``, or None where they do not apply (not CPU, a dtype
+    other than float32 / bfloat16, no compiler)."""
+    if device != "cpu" or dtype not in _SUFFIX:
+        return None
+    lib = _library()
+    return CpuKernels(lib, dtype) if lib is not None else None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """The kernels of ``cpu_kernels.c`` for one dtype (``self.dtype``)."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype):
+        self.dtype = dtype
+        suf = _SUFFIX[dtype]
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, f"{name}_{suf}")
+            fn.argtypes, fn.restype = argtypes, None
+            setattr(self, f"_{name}", fn)
+
+    def _check(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.dtype != self.dtype or t.device.type != "cpu":
+                raise ValueError(f"expected a CPU {self.dtype} tensor, got {t.dtype} on {t.device}")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """RMSNorm of x [n, h] (rows may be strided, elements contiguous) with weight [h] ->
+        new [n, h]. With residual [n, h] (contiguous), first residual += x in place (rounded to the
+        dtype) and the norm is of the sum, as ``hidden = residual + hidden`` before a Llama norm."""
+        self._check(x, weight)
+        n, h = x.shape
+        if x.stride(1) != 1 or weight.numel() != h or not weight.is_contiguous():
+            raise ValueError("rms_norm: x rows must be contiguous and weight [h]")
+        if residual is not None:
+            self._check(residual)
+            if residual.shape != x.shape or not residual.is_contiguous():
+                raise ValueError("rms_norm: residual must be a contiguous tensor of x's shape")
+        out = torch.empty(n, h, dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), _ptr(residual), h, weight.data_ptr(), out.data_ptr(), h,
+                       n, h, eps)
+        return out
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [n, heads, d] in place (rotate-half layout); rows may be strided, heads must
+        be d elements apart. positions int64 [n]; cos, sin float32 [max_positions, d]."""
+        self._check(x)
+        n, nh, d = x.shape
+        if x.stride(2) != 1 or x.stride(1) != d or positions.dtype != torch.int64 or positions.numel() != n:
+            raise ValueError("rope: x must be [n, heads, d] with contiguous heads and int64 positions [n]")
+        if cos.dtype != torch.float32 or cos.shape[1] != d or not cos.is_contiguous() or not sin.is_contiguous():
+            raise ValueError("rope: cos/sin must be contiguous float32 [max_positions, d]")
+        self._rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, nh, d)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: gate_up [n, 2m] contiguous (gate | up) -> silu(gate) * up, new [n, m]."""
+        self._check(gate_up)
+        n, m2 = gate_up.shape
+        if not gate_up.is_contiguous() or m2 % 2:
+            raise ValueError("silu_mul: gate_up must be contiguous [n, 2m]")
+        out = torch.empty(n, m2 // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), n, m2 // 2)
+        return out
+
+    def kv_write(self, cache: torch.Tensor, src: torch.Tensor, slots: torch.Tensor) -> None:
+        """cache[slots] = src: cache [num_slots, heads, d] contiguous, src [n, heads, d] with
+        contiguous rows (row stride free), slots int64 [n], each < num_slots."""
+        self._check(cache, src)
+        n = src.shape[0]
+        width = cache[0].numel()
+        if (not cache.is_contiguous() or src[0].numel() != width or src.stride(2) != 1 or src.stride(1) != src.shape[2]
+                or slots.dtype != torch.int64 or slots.numel() != n or not slots.is_contiguous()):
+            raise ValueError("kv_write: layout mismatch")
+        self._kv_write(cache.data_ptr(), src.data_ptr(), src.stride(0), slots.data_ptr(), n, width)
+
+    def decode_attn(self, q: torch.Tensor, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor, offsets: torch.Tensor, scale: float, out: torch.Tensor,
+                    out_rows: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
+        """One query row per request against its keys in the pool (all visible), float32 softmax.
+        q [T, H, D] (heads contiguous, rows may be strided); request b reads query row q_rows[b] and the KV slots
+        slots[offsets[b]:offsets[b+1]] of k_cache / v_cache [num_slots, Hkv, D]; writes row
+        out_rows[b] of out [*, H, D] (float32, or the kernels' dtype) and, if given, of lse [*, H]
+        float32 (natural log-sum-exp of the scaled scores). Index tensors int64, contiguous."""
+        self._check(q, k_cache, v_cache)
+        nb = q_rows.numel()
+        _, H, D = q.shape
+        Hkv = k_cache.shape[1]
+        if (q.stride(2) != 1 or q.stride(1) != D or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or offsets.numel() != nb + 1 or out_rows.numel() != nb or out.shape[1:] != (H, D)
+                or not out.is_contiguous() or out.dtype not in (torch.float32, self.dtype)):
+            raise ValueError("decode_attn: layout mismatch")
+        if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
+            raise ValueError("decode_attn: lse must be contiguous float32")
+        as_float = out.dtype == torch.float32
+        self._decode_attn(q.data_ptr(), q.stride(0), q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slots.data_ptr(), offsets.data_ptr(), nb, H, Hkv, D, scale,
+                          out.data_ptr() if as_float else None, None if as_float else out.data_ptr(),
+                          _ptr(lse), out_rows.data_ptr())
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor,
+              src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Merge partial attention: row dst_rows[i] of (out [*, H, D] float32, lse [*, H] float32)
+        absorbs row src_rows[i] of (o [*, H, D] in the kernels' dtype, o_lse [*, H] float32) by
+        log-sum-exp weighting (Hydragen, arXiv 2402.05099; FlashInfer merge_state). All contiguous."""
+        self._check(o)
+        for t in (out, lse, o_lse):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("merge: out, lse and o_lse must be contiguous float32")
+        if not o.is_contiguous() or src_rows.numel() != dst_rows.numel() or o.shape[1:] != out.shape[1:]:
+            raise ValueError("merge: layout mismatch")
+        H, D = out.shape[1:]
+        self._merge(out.data_ptr(), lse.data_ptr(), o.data_ptr(), o_lse.data_ptr(), src_rows.data_ptr(),
+                    dst_rows.data_ptr(), src_rows.numel(), H, D)

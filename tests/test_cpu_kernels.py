@@ -1,0 +1,186 @@
+"""The fused CPU kernels (idleless/model/cpu_kernels.c) against the eager PyTorch / HF code they replace.
+
+Element-wise kernels round where PyTorch rounds, so in bfloat16 they must give PyTorch's bits (rope, the
+residual add, the KV write exactly; RMSNorm and SiLU up to float32 summation order / libm exp, checked as
+>= 99% identical and the rest within one bfloat16 step). Attention and the merge are checked against a
+float64 softmax computed by brute force.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from idleless.model import cpu_kernels
+from idleless.model.layers import RotaryEmbedding
+
+KERNELS = {dt: cpu_kernels.load(dt) for dt in (torch.float32, torch.bfloat16)}
+pytestmark = pytest.mark.skipif(KERNELS[torch.float32] is None, reason="no C compiler for the CPU kernels")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def hf_rms_norm(x, w, eps):
+    """transformers' LlamaRMSNorm.forward, verbatim in substance."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def assert_nearly_bitwise(ours, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+        return
+    same = (ours == ref).float().mean().item()
+    assert same >= 0.99, f"only {same:.3%} of elements bit-identical"
+    # the rest differ by rounding one float32 value the other way: one bfloat16 step (2^-7 relative)
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@DTYPES
+@pytest.mark.parametrize("n,h", [(1, 576), (7, 64), (33, 100)])
+def test_rms_norm_matches_hf(dtype, n, h):
+    k = KERNELS[dtype]
+    g = _gen(n)
+    x = (torch.randn(n, h, generator=g) * 3).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    assert_nearly_bitwise(k.rms_norm(x, w, 1e-5), hf_rms_norm(x, w, 1e-5), dtype)
+    # strided rows (the sampled rows of a batch are a view)
+    big = (torch.randn(n, h + 8, generator=g)).to(dtype)
+    assert_nearly_bitwise(k.rms_norm(big[:, :h], w, 1e-6), hf_rms_norm(big[:, :h].contiguous(), w, 1e-6), dtype)
+
+
+@DTYPES
+def test_rms_norm_with_residual_updates_it_like_the_eager_add(dtype):
+    k = KERNELS[dtype]
+    g = _gen(1)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    res = torch.randn(5, 64, generator=g).to(dtype)
+    w = torch.randn(64, generator=g).to(dtype)
+    want_res = res + x  # eager add in the dtype: one rounding
+    out = k.rms_norm(x, w, 1e-5, residual=res)
+    assert torch.equal(res, want_res)
+    assert_nearly_bitwise(out, hf_rms_norm(want_res, w, 1e-5), dtype)
+
+
+@DTYPES
+def test_rope_matches_the_eager_rotation_bitwise(dtype):
+    k = KERNELS[dtype]
+    rope = RotaryEmbedding(16, 128, 10000.0, None)
+    g = _gen(2)
+    qkv = torch.randn(6, 9 * 16, generator=g).to(dtype)  # 5 q/k heads rotated, the v part after them
+    pos = torch.tensor([0, 1, 5, 77, 127, 3])
+    x = qkv[:, : 5 * 16].view(6, 5, 16)
+    ref = RotaryEmbedding.apply(x.clone(), *rope.tables(pos, dtype))
+    v_before = qkv[:, 5 * 16:].clone()
+    k.rope(x, pos, rope.cos, rope.sin)
+    assert torch.equal(x, ref)
+    assert torch.equal(qkv[:, 5 * 16:], v_before)  # nothing written past the rotated heads
+
+
+@DTYPES
+def test_silu_mul_matches_eager(dtype):
+    k = KERNELS[dtype]
+    gu = (torch.randn(9, 2 * 96, generator=_gen(3)) * 4).to(dtype)
+    gate, up = gu.split(96, dim=-1)
+    assert_nearly_bitwise(k.silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+@DTYPES
+def test_kv_write_is_index_copy(dtype):
+    k = KERNELS[dtype]
+    cache = torch.zeros(50, 2, 8, dtype=dtype)
+    ref = cache.clone()
+    qkv = torch.randn(4, 3 * 16, generator=_gen(4)).to(dtype)
+    src = qkv[:, 16:32].view(4, 2, 8)  # strided rows, as k inside a fused qkv
+    slots = torch.tensor([7, 0, 49, 12])
+    k.kv_write(cache, src, slots)
+    ref.index_copy_(0, slots, src)
+    assert torch.equal(cache, ref)
+
+
+def brute_attention(q, keys, vals, scale):
+    """float64 softmax attention of one query row q [H, D] over keys/vals [L, Hkv, D] -> (out, lse)."""
+    H, D = q.shape
+    G = H // keys.shape[1]
+    kk = keys.double().repeat_interleave(G, dim=1)  # [L, H, D]
+    s = torch.einsum("hd,lhd->hl", q.double(), kk) * scale
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[:, None])
+    return torch.einsum("hl,lhd->hd", p, vals.double().repeat_interleave(G, dim=1)), lse
+
+
+@DTYPES
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 16), (4, 1, 32)])
+def test_decode_attention_matches_brute_force(dtype, H, Hkv, D):
+    k = KERNELS[dtype]
+    g = _gen(H * D)
+    kc = torch.randn(64, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(64, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(5, H, D, generator=g).to(dtype)
+    tables = [torch.randperm(64, generator=g)[:n] for n in (1, 17, 40)]  # scattered slots, lengths 1..40
+    q_rows = torch.tensor([4, 0, 2])
+    out_rows = torch.tensor([1, 2, 0])
+    slots = torch.cat(tables)
+    offsets = torch.tensor([0, 1, 18, 58])
+    out = torch.full((3, H, D), float("nan"))
+    lse = torch.full((3, H), float("nan"))
+    k.decode_attn(q, q_rows, kc, vc, slots, offsets, D ** -0.5, out, out_rows, lse)
+    out_t = torch.zeros(3, H, D, dtype=dtype)
+    k.decode_attn(q, q_rows, kc, vc, slots, offsets, D ** -0.5, out_t, out_rows)
+    tol = 1e-5 if dtype == torch.float32 else 1e-5  # float32 math on the same inputs either way
+    for b in range(3):
+        ref_o, ref_l = brute_attention(q[q_rows[b]], kc[tables[b]], vc[tables[b]], D ** -0.5)
+        r = out_rows[b]
+        torch.testing.assert_close(out[r].double(), ref_o, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[r].double(), ref_l, rtol=tol, atol=tol)
+        torch.testing.assert_close(out_t[r], ref_o.to(dtype), rtol=2 ** -7, atol=1e-5)
+
+
+@DTYPES
+def test_merge_of_two_key_sets_is_attention_over_their_union(dtype):
+    """Attention over keys A then merged with keys B equals attention over A+B (the cascade identity)."""
+    k = KERNELS[dtype]
+    g = _gen(9)
+    H, Hkv, D = 6, 2, 16
+    kc = torch.randn(40, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(40, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(2, H, D, generator=g).to(dtype)
+    a, b = torch.arange(0, 25), torch.arange(25, 40)
+    rows = torch.tensor([0, 1])
+    out = torch.zeros(2, H, D)
+    lse = torch.full((2, H), float("-inf"))
+    for part in (a, b):  # each part's (o, lse) merged in; the first lands in empty rows
+        o = torch.empty(2, H, D, dtype=dtype)
+        o_l = torch.empty(2, H)
+        o_f = torch.empty(2, H, D)
+        k.decode_attn(q, rows, kc, vc, part.repeat(2), torch.tensor([0, len(part), 2 * len(part)]), D ** -0.5,
+                      o_f, rows, o_l)
+        o.copy_(o_f)
+        k.merge(out, lse, o, o_l, rows, rows)
+    for r in range(2):
+        ref_o, ref_l = brute_attention(q[r], kc, vc, D ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(out[r].double(), ref_o, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[r].double(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_layout_is_refused():
+    k = KERNELS[torch.float32]
+    with pytest.raises(ValueError):
+        k.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-5)  # columns, not rows
+    with pytest.raises(ValueError):
+        k.silu_mul(torch.randn(3, 8, dtype=torch.bfloat16))  # wrong dtype for these kernels
+
+
+def test_without_a_compiler_the_kernels_are_off(tmp_path, monkeypatch, caplog):
+    """No usable C compiler: load() gives None with a warning (the model then runs its eager path)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("IDLELESS_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there yet
+    monkeypatch.setattr(cpu_kernels, "_LIB", {})
+    assert cpu_kernels.load(torch.bfloat16) is None
+    assert "eager path" in caplog.text
