@@ -81,6 +81,13 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
             }
             for (int64_t j = 0; j < len; j++) {
                 const uint16_t *kr = k_cache + (sl[j] * nkv + kh) * d;
+                /* a request's slots are scattered over the pool: fetch keys ahead, values for pass 2 */
+                if (j + 6 < len) {
+                    const char *kn = (const char *)(k_cache + (sl[j + 6] * nkv + kh) * d);
+                    for (int64_t c = 0; c < d * 2; c += 64) _mm_prefetch(kn + c, _MM_HINT_T0);
+                }
+                const char *vn = (const char *)(v_cache + (sl[j] * nkv + kh) * d);
+                for (int64_t c = 0; c < d * 2; c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
                 __m512bh kv[8];
                 for (int64_t v = 0; v < nv; v++) kv[v] = (__m512bh)_mm512_loadu_si512(kr + 32 * v);
                 for (int64_t g = 0; g < grp; g++) {
