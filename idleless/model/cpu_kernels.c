@@ -4,11 +4,24 @@
  * ~5 us each in dispatch alone, more than their arithmetic. Every kernel exists for T = float (f32)
  * and T = bfloat16 (bf16, stored as uint16), and rounds to T at the same points as the PyTorch /
  * Hugging Face code it replaces (float32 arithmetic, round-to-nearest-even to bfloat16), so results
- * match that code up to float32 summation order. Single-threaded, no allocation except the scores
- * buffer of decode_attn; shapes and strides are checked by the Python caller.
+ * match that code up to float32 summation order. Rows are split over OpenMP threads when the work is
+ * large; no allocation except the scores buffers of decode_attn; shapes and strides are checked by the
+ * Python caller.
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define MAX_THREADS() omp_get_max_threads()
+#define THREAD_ID() omp_get_thread_num()
+#else
+#define MAX_THREADS() 1
+#define THREAD_ID() 0
+#endif
+/* Work (elements, or key x head products) below which a kernel stays on the calling thread: an
+ * OpenMP fork costs a few microseconds. Built with -fopenmp the kernels share PyTorch's own libgomp
+ * (same soname, already loaded), so torch.set_num_threads governs them too. */
+#define PAR_MIN_WORK 32768
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,9 +35,8 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet (as c10::BFloat16) */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded); /* branch-free: vectorizes */
 }
 
 /* exp(x) for float32 in plain C that compilers vectorize (libm's expf does not vectorize here):
@@ -65,10 +77,17 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
     int64_t grp = nh / nkv, nv = d / 32, max_len = 0;
     if (d % 32 || d > 256 || grp > 16) return 0;
     for (int64_t b = 0; b < nb; b++) if (off[b + 1] - off[b] > max_len) max_len = off[b + 1] - off[b];
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(grp * (max_len > 0 ? max_len : 1)));
-    if (!sc) return 0;
+    int64_t per = grp * (max_len > 0 ? max_len : 1), total = 0;
+    for (int64_t b = 0; b < nb; b++) total += off[b + 1] - off[b];
+    int nt = MAX_THREADS();
+    float *sc_all = (float *)malloc(sizeof(float) * (size_t)(per * nt));
+    if (!sc_all) return 0;
+#pragma omp parallel if (total * nh * d >= PAR_MIN_WORK)
+    {
+    float *sc = sc_all + per * THREAD_ID();
     __m512bh qv[16][8];
     __m512 acc[16][16];
+#pragma omp for schedule(dynamic, 2)
     for (int64_t b = 0; b < nb; b++) {
         int64_t len = off[b + 1] - off[b];
         const int64_t *sl = slots + off[b];
@@ -131,7 +150,8 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
             }
         }
     }
-    free(sc);
+    }
+    free(sc_all);
     return 1;
 }
 #define FAST_DECODE_bf16(...) if (decode_attn_bf16_avx512(__VA_ARGS__)) return;
@@ -146,8 +166,9 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
  * x, res, out: rows x_stride / res_stride / out_stride elements apart; w [h]. */                    \
 void rms_norm_##SUF(const T *x, int64_t x_stride, T *res, int64_t res_stride, const T *w, T *out,    \
                     int64_t out_stride, int64_t n, int64_t h, float eps) {                          \
-    float buf[h];                                                                                     \
+    _Pragma("omp parallel for if (n * h >= PAR_MIN_WORK)")                                            \
     for (int64_t r = 0; r < n; r++) {                                                                 \
+        float buf[h];                                                                                 \
         const T *xr = x + r * x_stride;                                                               \
         T *outr = out + r * out_stride;                                                               \
         float ss[16] = {0};                                                                           \
@@ -178,8 +199,9 @@ void rms_norm_##SUF(const T *x, int64_t x_stride, T *res, int64_t res_stride, co
 void rope_##SUF(T *x, int64_t x_stride, const int64_t *pos, const float *cos_t, const float *sin_t,   \
                 int64_t n, int64_t nh, int64_t d) {                                                   \
     int64_t half = d / 2;                                                                             \
-    float c[d], s[d], v[d];                                                                           \
+    _Pragma("omp parallel for if (n * nh * d >= PAR_MIN_WORK)")                                       \
     for (int64_t r = 0; r < n; r++) {                                                                 \
+        float c[d], s[d], v[d];                                                                       \
         const float *cr = cos_t + pos[r] * d, *sr = sin_t + pos[r] * d;                               \
         for (int64_t i = 0; i < d; i++) { c[i] = RD_##SUF(cr[i]); s[i] = RD_##SUF(sr[i]); }           \
         for (int64_t hd = 0; hd < nh; hd++) {                                                         \
@@ -196,6 +218,7 @@ void rope_##SUF(T *x, int64_t x_stride, const int64_t *pos, const float *cos_t, 
 /* out[r, i] = T(T(silu(g)) * u), g = gu[r, i], u = gu[r, m + i] (SwiGLU on a fused gate|up row).    \
  * gu [n, 2m] and out [n, m], contiguous. */                                                          \
 void silu_mul_##SUF(const T *gu, T *out, int64_t n, int64_t m) {                                      \
+    _Pragma("omp parallel for if (n * m >= PAR_MIN_WORK)")                                           \
     for (int64_t r = 0; r < n; r++) {                                                                 \
         const T *g = gu + r * 2 * m, *u = g + m;                                                      \
         T *o = out + r * m;                                                                           \
@@ -225,9 +248,16 @@ void decode_attn_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const 
                       out_t, lse, orow)                                                               \
     int64_t grp = nh / nkv, max_len = 0;                                                              \
     for (int64_t b = 0; b < nb; b++) if (off[b + 1] - off[b] > max_len) max_len = off[b + 1] - off[b]; \
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(grp * (max_len > 0 ? max_len : 1)));         \
-    if (!sc) return;                                                                                  \
+    int64_t per = grp * (max_len > 0 ? max_len : 1), total = 0;                                        \
+    for (int64_t b = 0; b < nb; b++) total += off[b + 1] - off[b];                                    \
+    int nt = MAX_THREADS();                                                                           \
+    float *sc_all = (float *)malloc(sizeof(float) * (size_t)(per * nt));                              \
+    if (!sc_all) return;                                                                              \
+    _Pragma("omp parallel if (total * nh * d >= PAR_MIN_WORK)")                                       \
+    {                                                                                                 \
+    float *sc = sc_all + per * THREAD_ID();                                                           \
     float qf[grp][d], acc[grp][d], kf[d];                                                             \
+    _Pragma("omp for schedule(dynamic, 2)")                                                           \
     for (int64_t b = 0; b < nb; b++) {                                                                \
         int64_t len = off[b + 1] - off[b];                                                            \
         const int64_t *sl = slots + off[b];                                                           \
@@ -283,7 +313,8 @@ void decode_attn_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const 
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
-    free(sc);                                                                                         \
+    }                                                                                                 \
+    free(sc_all);                                                                                     \
 }                                                                                                     \
                                                                                                       \
 /* Merge partial attention results (log-sum-exp weighting; Hydragen / FlashInfer merge_state):        \
@@ -291,6 +322,7 @@ void decode_attn_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const 
  * of (o [*, nh, d] T, l [*, nh] float32). A row with lse -inf holds nothing yet. */                  \
 void merge_##SUF(float *out, float *lse, const T *o, const float *l, const int64_t *src,              \
                  const int64_t *dst, int64_t n, int64_t nh, int64_t d) {                              \
+    _Pragma("omp parallel for if (n * nh * d >= PAR_MIN_WORK)")                                      \
     for (int64_t i = 0; i < n; i++) {                                                                 \
         for (int64_t hd = 0; hd < nh; hd++) {                                                         \
             float *ol = lse + dst[i] * nh + hd, nl = l[src[i] * nh + hd];                             \

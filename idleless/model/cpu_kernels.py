@@ -4,8 +4,10 @@ embedding, SwiGLU, KV-pool writes, decode attention and the cascade merge.
 Why: at decode each of these is 3-15 eager PyTorch ops on a few kilobytes, and inside a model step
 each op costs ~5 us of dispatch, so for SmolLM2 at batch 1 the glue took as long as the 269 MB of
 weight reads. The kernels are plain C (``cpu_kernels.c``), compiled on first use with the system C
-compiler (``cc -O3 -march=native``, no FMA contraction so products round as in PyTorch) into ``$IDLELESS_CACHE_DIR/kernels/`` keyed by the source, the
-flags and the CPU, and called through ctypes (~1 us a call). They round to the model dtype where
+compiler (``cc -O3 -march=native -fopenmp``, no FMA contraction so products round as in PyTorch) into
+``$IDLELESS_CACHE_DIR/kernels/`` keyed by the source, the flags and the CPU, and called through ctypes
+(~1 us a call). Large calls split their rows over OpenMP threads: the library links libgomp.so.1, which
+resolves to the copy PyTorch already loaded, so both share one thread pool and ``torch.set_num_threads``. They round to the model dtype where
 PyTorch / Hugging Face do, so they agree with the eager path up to float32 summation order (tests
 check each against it and the model against transformers). Without a compiler, or with
 ``EngineConfig.disable_cpu_kernels``, the model runs its eager PyTorch path.
@@ -74,11 +76,16 @@ def build_library() -> Optional[Path]:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        try:
-            res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        except OSError as e:
-            log.warning("running the C compiler %s failed (eager path used): %s", cc, e)
-            return None
+        res = None
+        for extra in (["-fopenmp"], []):  # OpenMP if the compiler has it (then PyTorch's libgomp is used)
+            try:
+                res = subprocess.run([cc, *CFLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                                     text=True)
+            except OSError as e:
+                log.warning("running the C compiler %s failed (eager path used): %s", cc, e)
+                return None
+            if res.returncode == 0:
+                break
         if res.returncode != 0:
             log.warning("compiling the fused CPU kernels failed (eager path used):\n%s", res.stderr[-2000:])
             return None

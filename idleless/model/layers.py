@@ -131,10 +131,6 @@ class RotaryEmbedding(nn.Module):
         return x * cos + cls._rotate_half(x) * sin
 
 
-# The fused SwiGLU kernel is single-threaded: it beats eager silu * up (two threads) only on a few rows.
-SILU_KERNEL_MAX_ROWS = 16
-
-
 class GatedMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one [2I, H] weight."""
 
@@ -147,7 +143,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and x.shape[0] <= SILU_KERNEL_MAX_ROWS:
+        if self.kernels is not None:
             return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
