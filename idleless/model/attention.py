@@ -197,7 +197,7 @@ class TorchNativeAttention:
             eligible = [e <= MAX_SEGMENT_EXTEND for e in extend_lens]
             seg_list, shared = find_shared_segments(prefix_lens, slot_tables, eligible)
         segments = self._segment_groups(
-            [(torch.cat([torch.arange(starts[i], starts[i] + extend_lens[i]) for i in reqs]),
+            [(torch.tensor([r for i in reqs for r in range(starts[i], starts[i] + extend_lens[i])]),
               slot_tables[reqs[0]][a:b]) for reqs, a, b in seg_list])
         # tails: positions [shared[i], seq_len) of each request, causal for its new tokens
         kv_lens = [p + e - s for p, e, s in zip(prefix_lens, extend_lens, shared)]
