@@ -320,3 +320,18 @@ def test_engine_core_greedy_equals_transformers(tmp_path, arch, tie, overrides):
         check_greedy(hf, p, ours, what=f"{arch} request {i}")
     kv = core.scheduler.kv_usage()
     assert kv["free"] + kv["cached"] == kv["total"] and kv["in_use"] == 0
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["kernels", "eager"])
+def test_position_past_the_context_is_an_error_not_a_stray_read(tmp_path, eager):
+    """The rope kernel indexes its table without checks, so the model checks positions once per
+    forward: a position at the context length raises IndexError on both paths (the engine refuses such
+    requests earlier; this guards the model itself)."""
+    path = make_tiny_model(tmp_path)
+    runner = _runner(path, context_length=64, disable_cpu_kernels=eager)
+    slots = runner.pool.alloc(0, 0, 2)
+    batch = ForwardBatch(torch.tensor([5, 6]), torch.tensor([63, 64]), slots, [2], [0], [slots], torch.tensor([1]))
+    with pytest.raises(IndexError):
+        runner.forward(batch)
+    ok = ForwardBatch(torch.tensor([5, 6]), torch.tensor([62, 63]), slots, [2], [0], [slots], torch.tensor([1]))
+    assert runner.forward(ok).shape == (1, runner.model_config.vocab_size)

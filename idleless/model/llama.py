@@ -108,6 +108,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, meta, out_cache_loc, sample_rows):
         h = self.embed_tokens(input_ids)
+        if self.kernels is not None:  # the rope kernel reads its table unchecked: one bound check here
+            if positions.numel() and int(positions.max()) >= self.rope.cos.shape[0]:
+                raise IndexError(f"position {int(positions.max())} is past the rope table "
+                                 f"({self.rope.cos.shape[0]} positions, the context length)")
         rope_cs = None if self.kernels is not None else self.rope.tables(positions, h.dtype)
         ctx = StepContext(positions, self.rope, rope_cs, backend, meta, out_cache_loc)
         residual = None
