@@ -184,3 +184,18 @@ def test_without_a_compiler_the_kernels_are_off(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_LIB", {})
     assert cpu_kernels.load(torch.bfloat16) is None
     assert "eager path" in caplog.text
+
+
+def test_an_unwritable_kernel_cache_falls_back_to_eager(tmp_path, monkeypatch, caplog):
+    """The cache's kernels/ path is taken by a file (as for a read-only cache): a warning, no crash."""
+    (tmp_path / "kernels").write_text("not a folder")
+    monkeypatch.setenv("IDLELESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_LIB", {})
+    assert cpu_kernels.load(torch.float32) is None
+    assert "cannot write the kernel cache" in caplog.text
+
+
+def test_a_built_library_is_readable_by_other_users(tmp_path, monkeypatch):
+    monkeypatch.setenv("IDLELESS_CACHE_DIR", str(tmp_path))
+    so = cpu_kernels.build_library()
+    assert so is not None and so.stat().st_mode & 0o777 == 0o755

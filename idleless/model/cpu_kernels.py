@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -59,36 +60,43 @@ def _cpu_id() -> str:
 
 def build_library() -> Optional[Path]:
     """Compile ``cpu_kernels.c`` into the cache (once per source / flags / CPU) and return the .so path,
-    or None (with a warning) when no C compiler is found or compiling fails."""
+    or None (with a warning) when no C compiler is found, the cache folder cannot be written or
+    compiling fails. ``$CC`` may hold a command with arguments (``ccache gcc``)."""
     from idleless.model.loader import _cache_root
 
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
     if not cc:
         log.warning("no C compiler (cc/gcc) found: the fused CPU kernels are off, the eager path runs")
         return None
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc] + CFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(cc + CFLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
     out_dir = Path(_cache_root()) / "kernels"
     so = out_dir / f"cpu_kernels-{key}.so"
     if so.exists():
         return so
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        log.warning("cannot write the kernel cache %s (eager path used): %s", out_dir, e)
+        return None
     try:
         res = None
         for extra in (["-fopenmp"], []):  # OpenMP if the compiler has it (then PyTorch's libgomp is used)
             try:
-                res = subprocess.run([cc, *CFLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                res = subprocess.run([*cc, *CFLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
                                      text=True)
             except OSError as e:
-                log.warning("running the C compiler %s failed (eager path used): %s", cc, e)
+                log.warning("running the C compiler %s failed (eager path used): %s", " ".join(cc), e)
                 return None
             if res.returncode == 0:
                 break
         if res.returncode != 0:
-            log.warning("compiling the fused CPU kernels failed (eager path used):\n%s", res.stderr[-2000:])
+            log.warning("compiling the fused CPU kernels with %s failed (eager path used), exit %d:\n%s",
+                        " ".join(cc), res.returncode, (res.stderr or res.stdout)[-2000:])
             return None
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: let other users sharing the cache load it
         os.replace(tmp, so)  # atomic: concurrent builders each install a complete file
         return so
     finally:
