@@ -1,7 +1,15 @@
 """Idleless: an LLM serving engine that keeps the accelerator busy."""
 
-from idleless.config import EngineConfig
-from idleless.engine.request import FinishReason, RequestError, SamplingParams
+import os
+
+# Transparent huge pages for PyTorch's large CPU tensors (weights, KV pool): PyTorch reads this once, at
+# its first allocation, so it is set here, before anything imports torch (a process that imported torch
+# first keeps its setting). On this VM a batch-1 decode step took 36-38 ms with it against 44-62 ms
+# without (TLB misses on the weight stream); THP_MEM_ALLOC_ENABLE=0 in the environment turns it off.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from idleless.config import EngineConfig  # noqa: E402 (after the environment above)
+from idleless.engine.request import FinishReason, RequestError, SamplingParams  # noqa: E402
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishReason", "RequestError"]
 
