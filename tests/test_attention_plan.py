@@ -16,8 +16,7 @@ from idleless.model.attention import MIN_SHARED_TOKENS, find_shared_segments
 
 @st.composite
 def slot_trees(draw):
-    """Requests' slot tables drawn as paths in a random tree of stretches (fresh slots per stretch),
-    plus per-request eligibility."""
+    """Requests' slot tables drawn as paths in a random tree of stretches (fresh slots per stretch)."""
     counter = iter(range(10**6))
 
     def stretch(n):
@@ -38,8 +37,7 @@ def slot_trees(draw):
             path += children[key]
         path += stretch(draw(st.integers(1, 5)))  # every request ends with its own tokens
         tables.append(path)
-    eligible = [draw(st.booleans()) or i % 3 != 0 for i in range(len(tables))]
-    return tables, eligible
+    return tables
 
 
 def lcp(a, b):
@@ -51,15 +49,14 @@ def lcp(a, b):
 
 @settings(max_examples=150, deadline=None)
 @given(slot_trees())
-def test_segments_tile_each_shared_prefix(tree):
-    tables, eligible = tree
+def test_segments_tile_each_shared_prefix(tables):
     prefix_lens = [len(t) - 1 for t in tables]  # the last token is the new one
-    segs, shared = find_shared_segments(prefix_lens, [torch.tensor(t) for t in tables], eligible)
+    segs, shared = find_shared_segments(prefix_lens, [torch.tensor(t) for t in tables])
     covered = {i: [] for i in range(len(tables))}
     for reqs, a, b in segs:
         assert len(reqs) >= 2 and b - a >= MIN_SHARED_TOKENS and len(set(reqs)) == len(reqs)
         for i in reqs:
-            assert eligible[i] and b <= prefix_lens[i]
+            assert b <= prefix_lens[i]
             assert tables[i][a:b] == tables[reqs[0]][a:b]  # the same KV slots: one read serves all
             covered[i].append((a, b))
     for i, spans in covered.items():
@@ -69,12 +66,12 @@ def test_segments_tile_each_shared_prefix(tree):
             assert a == pos
             pos = b
         assert pos == shared[i]
-        if not eligible[i] or prefix_lens[i] < MIN_SHARED_TOKENS:
+        if prefix_lens[i] < MIN_SHARED_TOKENS:
             assert shared[i] == 0
             continue
         # nothing shareable is left out but a remainder shorter than a segment
         best = max((min(lcp(tables[i], tables[j]), prefix_lens[i], prefix_lens[j])
-                    for j in range(len(tables)) if j != i and eligible[j] and prefix_lens[j] >= MIN_SHARED_TOKENS),
+                    for j in range(len(tables)) if j != i and prefix_lens[j] >= MIN_SHARED_TOKENS),
                    default=0)
         assert shared[i] <= best
         assert shared[i] >= best - (MIN_SHARED_TOKENS - 1)

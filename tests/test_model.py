@@ -154,7 +154,7 @@ def test_forward_matches_transformers_in_mixed_batches(tmp_path, arch, tie, over
 @pytest.mark.parametrize("eager", [False, True], ids=["kernels", "eager"])
 @pytest.mark.parametrize("scatter", [True, False], ids=["gathered-keys", "pool-view-keys"])
 def test_cascade_segments_match_transformers(tmp_path, scatter, eager):
-    """Shared-prefix (cascade) attention: six requests hold the same 40-token prefix through the same
+    """Shared-prefix (cascade) attention: seven requests hold the same 40-token prefix through the same
     slots, and two pairs of them a further 20 tokens each (nested segments); then mixed extends and
     decode steps. Each request's logits must be transformers' full-sequence logits. The two documents
     run as one padded kernel call; with scattered slots the system prompt's keys are gathered, with a
@@ -170,22 +170,25 @@ def test_cascade_segments_match_transformers(tmp_path, scatter, eager):
 
     system, doc1, doc2 = rand(40), rand(20), rand(20)
     seqs = {"s": system + doc1 + rand(3), "t": system + doc1 + rand(5), "u": system + doc2 + rand(4),
-            "v": system + doc2 + rand(6), "w": system + rand(7), "x": system + rand(2)}
+            "v": system + doc2 + rand(6), "w": system + rand(7), "x": system + rand(2),
+            "y": system + rand(70)}  # a long extend over the shared prefix: a segment too, then a masked tail
     drv = MixedBatchDriver(runner, seqs, scatter=scatter)
     metas = []
     prepare = runner.backend.prepare
     runner.backend.prepare = lambda *a: metas.append(prepare(*a)) or metas[-1]
     drv.step({"s": 60})  # system prompt + doc1 in one piece
     drv.step({"u": 60})
-    for r in "tvwx":
+    for r in "tvwxy":
         drv.share(r, "s" if r in "t" else "u" if r == "v" else "s", 60 if r in "tv" else 40)
-    drv.step({"s": 1, "t": 3, "u": 2, "v": 4, "w": 5, "x": 1})  # extends on shared prefixes + decode
+    drv.step({"s": 1, "t": 3, "u": 2, "v": 4, "w": 5, "x": 1, "y": 70})  # extends on shared prefixes + decode
     while any(drv.done[r] < len(seqs[r]) for r in seqs):  # decode to the end
         drv.step({r: 1 for r in seqs if drv.done[r] < len(seqs[r])})
     assert metas[0].tails[0].causal  # a lone prefill runs in the kernel's causal mode
     segs = [s for m in metas[2:] for s in m.segments]
     assert segs, "the shared prefixes were not run as segments"
-    # the system prompt (all six rows) runs alone; the two documents (disjoint rows) in one padded call
+    # the long extend's 70 rows read the system prompt in its segment (with the other requests' rows)
+    assert any(s.out_rows.numel() >= 70 + 5 for s in metas[2].segments)
+    # the system prompt (all seven requests) runs alone; the two documents (disjoint rows) in one padded call
     assert any(s.q_index.shape[0] == 2 and s.mask is not None for s in segs)
     assert all((s.kv_index is None) == (not scatter and s.q_index.shape[0] == 1) for s in segs)
     decode_groups = [t for m in metas for t in m.tails if isinstance(t, DecodeGroup)]

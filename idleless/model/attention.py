@@ -37,9 +37,6 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 # A stretch shared by several requests becomes its own segment when it is at least this long (tokens);
 # shorter ones stay in the requests' tails (a segment costs a kernel launch per layer).
 MIN_SHARED_TOKENS = 16
-# Requests with more new tokens than this never use segments (their own compute dominates, and the
-# plain path needs no merge).
-MAX_SEGMENT_EXTEND = 64
 
 
 @dataclass
@@ -121,9 +118,11 @@ def _group_requests(extend_lens: list[int], kv_lens: list[int]) -> list[list[int
     return groups
 
 
-def find_shared_segments(prefix_lens: list[int], slot_tables: list[torch.Tensor],
-                         eligible: list[bool]) -> tuple[list[tuple[list[int], int, int]], list[int]]:
-    """Find stretches of KV slots shared by two or more eligible requests within their prefixes.
+def find_shared_segments(prefix_lens: list[int], slot_tables: list[torch.Tensor]
+                         ) -> tuple[list[tuple[list[int], int, int]], list[int]]:
+    """Find stretches of KV slots shared by two or more requests within their prefixes (whatever
+    their number of new tokens: a long extend over a shared prefix reads it unmasked, which the flash
+    kernel does faster than the padded, masked tail: 12 vs 18 ms for 8 x 900 rows x 921 keys).
 
     Returns (segments, shared): each segment is (request indices, start, end) meaning those
     requests all hold the same slots at positions [start, end) (>= MIN_SHARED_TOKENS long);
@@ -131,7 +130,7 @@ def find_shared_segments(prefix_lens: list[int], slot_tables: list[torch.Tensor]
     Recursive longest-common-prefix partitioning, like walking the radix tree those slots came from."""
     B = len(prefix_lens)
     shared = [0] * B
-    cand = [i for i in range(B) if eligible[i] and prefix_lens[i] >= MIN_SHARED_TOKENS]
+    cand = [i for i in range(B) if prefix_lens[i] >= MIN_SHARED_TOKENS]
     segments: list[tuple[list[int], int, int]] = []
     if len(cand) < 2:
         return segments, shared
@@ -194,8 +193,7 @@ class TorchNativeAttention:
         if window is not None and max(p + e for p, e in zip(prefix_lens, extend_lens)) <= window:
             window = None  # nothing in this batch is old enough to fall out of the window
         if self.use_segments and B > 1 and window is None:
-            eligible = [e <= MAX_SEGMENT_EXTEND for e in extend_lens]
-            seg_list, shared = find_shared_segments(prefix_lens, slot_tables, eligible)
+            seg_list, shared = find_shared_segments(prefix_lens, slot_tables)
         segments = self._segment_groups(
             [(torch.tensor([r for i in reqs for r in range(starts[i], starts[i] + extend_lens[i])]),
               slot_tables[reqs[0]][a:b]) for reqs, a, b in seg_list])
