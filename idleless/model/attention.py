@@ -169,6 +169,8 @@ class TorchNativeAttention:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None, kernels=None):
         self.pool = pool
+        self._k_layers = list(pool.k_cache)  # per-layer views [num_slots, Hkv, D], made once (not per call)
+        self._v_layers = list(pool.v_cache)
         # cpu_kernels.CpuKernels of the pool dtype: KV writes, decode rows and cascade merges fused
         self.kernels = kernels if kernels is not None and kernels.dtype == pool.dtype else None
         self.sliding_window = sliding_window  # Mistral: a query sees only the last `sliding_window` keys
@@ -292,8 +294,8 @@ class TorchNativeAttention:
                 meta: AttnMetadata, out_cache_loc: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens, rotated; rows may be strided views) -> output
         [T, H, D] in q's dtype. Writes k/v into the pool at out_cache_loc [T] first."""
-        kc = self.pool.k_cache[layer_id]
-        vc = self.pool.v_cache[layer_id]
+        kc = self._k_layers[layer_id]
+        vc = self._v_layers[layer_id]
         kern = self.kernels
         if kern is not None:
             kern.kv_write(kc, k, out_cache_loc)

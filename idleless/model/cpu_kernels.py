@@ -190,8 +190,9 @@ class CpuKernels:
         contiguous rows (row stride free), slots int64 [n], each < num_slots."""
         self._check(cache, src)
         n = src.shape[0]
-        width = cache[0].numel()
-        if (not cache.is_contiguous() or src[0].numel() != width or src.stride(2) != 1 or src.stride(1) != src.shape[2]
+        width = cache.shape[1] * cache.shape[2]
+        if (not cache.is_contiguous() or src.shape[1] * src.shape[2] != width or src.stride(2) != 1
+                or src.stride(1) != src.shape[2]
                 or slots.dtype != torch.int64 or slots.numel() != n or not slots.is_contiguous()):
             raise ValueError("kv_write: layout mismatch")
         self._kv_write(cache.data_ptr(), src.data_ptr(), src.stride(0), slots.data_ptr(), n, width)
