@@ -13,6 +13,9 @@ against). It reads K/V from the KV pool through each request's slot table, so an
   2402.05099) and FlashInfer's cascade inference (Ye et al., arXiv 2501.01005).
 * **Tails** are padded into groups of similar size and run through PyTorch's CPU flash-attention
   kernel (``_scaled_dot_product_flash_attention_for_cpu``), which also returns the log-sum-exp.
+  With the fused CPU kernels (``cpu_kernels``), the tails of decode rows (one new token each) are
+  attended by the decode kernel straight from the pool (no gather, no padding), KV writes and the
+  log-sum-exp merges are kernels too.
 
 Interface: ``meta = backend.prepare(extend_lens, prefix_lens, slot_tables)`` once per forward,
 then ``backend.forward(q, k, v, layer_id, meta, out_cache_loc)`` per layer.
