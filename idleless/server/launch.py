@@ -82,6 +82,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# A SIGTERM within this many seconds of the first is the same stop request delivered twice (to the process
+# group and forwarded by a parent such as make), not a request to skip the drain.
+REPEAT_SIGTERM_S = 2.0
+
+
 def _make_server(app, args, client) -> "object":
     import uvicorn
 
@@ -90,11 +95,19 @@ def _make_server(app, args, client) -> "object":
 
         @contextlib.contextmanager
         def capture_signals(self):
+            first = {}  # the first signal: its number and time.monotonic()
+
             def handler(sig, frame):
                 if self.should_exit:
+                    if sig == signal.SIGTERM == first["sig"] and time.monotonic() - first["at"] < REPEAT_SIGTERM_S:
+                        # the same stop request again: a group SIGTERM that `make` or a supervisor also
+                        # forwards to us; keep draining (a later signal, or Ctrl-C twice, forces)
+                        log.info("repeated SIGTERM: still draining")
+                        return
                     log.warning("second signal: exiting now")
                     self.force_exit = True
                     return
+                first.update(sig=sig, at=time.monotonic())
                 log.info("received %s: draining (up to %.0f s), no new requests", signal.Signals(sig).name,
                          args.shutdown_grace)
                 client.draining = True
