@@ -199,3 +199,12 @@ def test_a_built_library_is_readable_by_other_users(tmp_path, monkeypatch):
     monkeypatch.setenv("IDLELESS_CACHE_DIR", str(tmp_path))
     so = cpu_kernels.build_library()
     assert so is not None and so.stat().st_mode & 0o777 == 0o755
+
+
+def test_an_index_of_another_dtype_is_refused():
+    """The C code reads indices as raw int64: an int32 slot list must be an error, not a stray write."""
+    k = KERNELS[torch.float32]
+    cache = torch.zeros(8, 1, 4)
+    with pytest.raises(ValueError):
+        k.kv_write(cache, torch.ones(2, 1, 4), torch.tensor([1, 2], dtype=torch.int32))
+    assert not cache.any()

@@ -6,10 +6,11 @@ each op costs ~5 us of dispatch, so for SmolLM2 at batch 1 the glue took as long
 weight reads. The kernels are plain C (``cpu_kernels.c``), compiled on first use with the system C
 compiler (``cc -O3 -march=native -fopenmp``, no FMA contraction so products round as in PyTorch) into
 ``$IDLELESS_CACHE_DIR/kernels/`` keyed by the source, the flags and the CPU, and called through ctypes
-(~1 us a call). Large calls split their rows over OpenMP threads: the library links libgomp.so.1, which
-resolves to the copy PyTorch already loaded, so both share one thread pool and ``torch.set_num_threads``. They round to the model dtype where
-PyTorch / Hugging Face do, so they agree with the eager path up to float32 summation order (tests
-check each against it and the model against transformers). Without a compiler, or with
+(~1 us a call). Large calls split their rows over OpenMP threads: the library links libgomp.so.1,
+which resolves to the copy PyTorch already loaded, so both share one thread pool and
+``torch.set_num_threads``. They round to the model dtype where PyTorch / Hugging Face do, so they
+agree with the eager path up to float32 summation order (tests check each against it and the model
+against transformers). Without a compiler, with an unwritable cache, or with
 ``EngineConfig.disable_cpu_kernels``, the model runs its eager PyTorch path.
 
 All methods take CPU tensors of the dtype the object was made for (float32 or bfloat16) and raise
@@ -35,7 +36,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off", "-fPIC",
+          "-shared"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LIB: dict[str, Optional[ctypes.CDLL]] = {}
 
@@ -130,6 +132,13 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _check_index(*tensors: torch.Tensor) -> None:
+    """The C code reads index tensors as raw int64 arrays: anything else would be read as garbage."""
+    for t in tensors:
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"index tensors must be contiguous int64, got {t.dtype}")
+
+
 class CpuKernels:
     """The kernels of ``cpu_kernels.c`` for one dtype (``self.dtype``)."""
 
@@ -169,7 +178,8 @@ class CpuKernels:
         be d elements apart. positions int64 [n]; cos, sin float32 [max_positions, d]."""
         self._check(x)
         n, nh, d = x.shape
-        if x.stride(2) != 1 or x.stride(1) != d or positions.dtype != torch.int64 or positions.numel() != n:
+        _check_index(positions)
+        if x.stride(2) != 1 or x.stride(1) != d or positions.numel() != n:
             raise ValueError("rope: x must be [n, heads, d] with contiguous heads and int64 positions [n]")
         if cos.dtype != torch.float32 or cos.shape[1] != d or not cos.is_contiguous() or not sin.is_contiguous():
             raise ValueError("rope: cos/sin must be contiguous float32 [max_positions, d]")
@@ -192,9 +202,9 @@ class CpuKernels:
         n = src.shape[0]
         width = cache.shape[1] * cache.shape[2]
         if (not cache.is_contiguous() or src.shape[1] * src.shape[2] != width or src.stride(2) != 1
-                or src.stride(1) != src.shape[2]
-                or slots.dtype != torch.int64 or slots.numel() != n or not slots.is_contiguous()):
+                or src.stride(1) != src.shape[2] or slots.numel() != n):
             raise ValueError("kv_write: layout mismatch")
+        _check_index(slots)
         self._kv_write(cache.data_ptr(), src.data_ptr(), src.stride(0), slots.data_ptr(), n, width)
 
     def decode_attn(self, q: torch.Tensor, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -215,6 +225,7 @@ class CpuKernels:
             raise ValueError("decode_attn: layout mismatch")
         if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
             raise ValueError("decode_attn: lse must be contiguous float32")
+        _check_index(q_rows, slots, offsets, out_rows)
         as_float = out.dtype == torch.float32
         self._decode_attn(q.data_ptr(), q.stride(0), q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), offsets.data_ptr(), nb, H, Hkv, D, scale,
@@ -232,6 +243,7 @@ class CpuKernels:
                 raise ValueError("merge: out, lse and o_lse must be contiguous float32")
         if not o.is_contiguous() or src_rows.numel() != dst_rows.numel() or o.shape[1:] != out.shape[1:]:
             raise ValueError("merge: layout mismatch")
+        _check_index(src_rows, dst_rows)
         H, D = out.shape[1:]
         self._merge(out.data_ptr(), lse.data_ptr(), o.data_ptr(), o_lse.data_ptr(), src_rows.data_ptr(),
                     dst_rows.data_ptr(), src_rows.numel(), H, D)
