@@ -169,6 +169,82 @@ def test_merge_of_two_key_sets_is_attention_over_their_union(dtype):
         torch.testing.assert_close(lse[r].double(), ref_l, rtol=1e-5, atol=1e-5)
 
 
+AMX = KERNELS[torch.bfloat16] is not None and KERNELS[torch.bfloat16].has_amx
+
+
+def _ragged_call(k, q, kc, vc, items, merge, out, lse, limits=None):
+    """items: [(slots [L], rows [R])]; limits: per item a list of R visible-key counts, or None."""
+    ko = torch.tensor([0] + [len(s) for s, _ in items]).cumsum(0)
+    ro = torch.tensor([0] + [len(r) for _, r in items]).cumsum(0)
+    lim = None if limits is None else torch.tensor([n for lst in limits for n in lst])
+    work = torch.empty(k.ragged_work_bytes(ko.diff().tolist(), kc.shape[1], kc.shape[2]), dtype=torch.uint8)
+    k.ragged_attn(q, kc, vc, ko, torch.cat([s for s, _ in items]), ro, torch.cat([r for _, r in items]), lim,
+                  q.shape[2] ** -0.5, out, lse, merge, work)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 1, 32), (8, 2, 128)])
+def test_ragged_attention_matches_brute_force(H, Hkv, D):
+    """Segments (all keys visible) and causal tails (row j sees limits[j] keys) in one call, against a
+    float64 softmax: scattered slots, query rows strided in a fused qkv tensor, key counts that are not
+    multiples of 16 or 32 and above one 256-key softmax chunk (online rescaling), partial 16-row
+    blocks, a row that sees no key. Tolerance: probabilities are rounded to bfloat16 (2^-9 relative)
+    before the P V tile product, so outputs within 2^-7 of the float64 ones; lse in float32 (1e-3)."""
+    k = KERNELS[torch.bfloat16]
+    g = _gen(H + D)
+    kc = torch.randn(1200, Hkv, D, generator=g).bfloat16()
+    vc = torch.randn(1200, Hkv, D, generator=g).bfloat16()
+    qkv = (torch.randn(120, H + 2 * Hkv, D, generator=g) * 2).bfloat16()  # peaky softmax: the max moves
+    q = qkv[:, :H]
+    perm = torch.randperm(1200, generator=g)
+    items = [(perm[:700], torch.arange(0, 13)),  # a long shared segment, 13 rows
+             (perm[700:709], torch.tensor([20, 15, 17])),  # 9 keys, rows out of order
+             (perm[709:742], torch.arange(30, 63)),  # a causal tail: 33 new tokens over 0 prior keys
+             (torch.arange(800, 1100), torch.arange(70, 120))]  # 250 prior keys + 50 new, contiguous slots
+    limits = [[10 ** 6] * 13, [9, 9, 0], [j + 1 for j in range(33)], [250 + j + 1 for j in range(50)]]
+    out = torch.full((120, H, D), float("nan"))
+    lse = torch.full((120, H), float("nan"))
+    _ragged_call(k, q, kc, vc, items, False, out, lse, limits)
+    for (slots, rows), lim in zip(items, limits):
+        for r, n in zip(rows.tolist(), lim):
+            if n == 0:  # sees nothing: an empty result, lse -inf
+                assert not out[r].any() and bool((lse[r] == float("-inf")).all())
+                continue
+            ref_o, ref_l = brute_attention(q[r], kc[slots[:n]], vc[slots[:n]], D ** -0.5)
+            torch.testing.assert_close(out[r].double(), ref_o, rtol=0, atol=2 ** -7)
+            torch.testing.assert_close(lse[r].double(), ref_l, rtol=0, atol=1e-3)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles on this CPU")
+def test_ragged_merge_of_a_tail_and_segments_is_attention_over_all_keys():
+    """The cascade identity on the ragged kernel: tails written, then a system-prompt segment and two
+    document segments (disjoint rows: one call) merged in, equals attention over each request's whole
+    key list; a call whose work buffer is too small is refused before anything is written."""
+    k = KERNELS[torch.bfloat16]
+    g = _gen(5)
+    H, Hkv, D = 6, 2, 64
+    kc = torch.randn(600, Hkv, D, generator=g).bfloat16()
+    vc = torch.randn(600, Hkv, D, generator=g).bfloat16()
+    q = torch.randn(4, H, D, generator=g).bfloat16()
+    system, docs, tails = torch.arange(0, 300), [torch.arange(300, 340), torch.arange(340, 400)], \
+        [torch.arange(400 + 20 * i, 410 + 20 * i) for i in range(4)]
+    out = torch.empty(4, H, D)
+    lse = torch.empty(4, H)
+    _ragged_call(k, q, kc, vc, [(tails[i], torch.tensor([i])) for i in range(4)], False, out, lse)
+    _ragged_call(k, q, kc, vc, [(system, torch.arange(4))], True, out, lse)
+    _ragged_call(k, q, kc, vc, [(docs[0], torch.tensor([0, 1])), (docs[1], torch.tensor([2, 3]))], True, out, lse)
+    for i in range(4):
+        keys = torch.cat([system, docs[i // 2], tails[i]])
+        ref_o, ref_l = brute_attention(q[i], kc[keys], vc[keys], D ** -0.5)
+        torch.testing.assert_close(out[i].double(), ref_o, rtol=0, atol=2 ** -7)
+        torch.testing.assert_close(lse[i].double(), ref_l, rtol=0, atol=1e-3)
+    before = out.clone()
+    with pytest.raises(ValueError, match="work buffer"):
+        k.ragged_attn(q, kc, vc, torch.tensor([0, 300]), system, torch.tensor([0, 4]), torch.arange(4), None,
+                      0.125, out, lse, True, torch.empty(100, dtype=torch.uint8))
+    assert torch.equal(out, before)
+
+
 def test_bad_layout_is_refused():
     k = KERNELS[torch.float32]
     with pytest.raises(ValueError):

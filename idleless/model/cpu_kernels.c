@@ -344,3 +344,335 @@ void merge_##SUF(float *out, float *lse, const T *o, const float *l, const int64
 
 DEFINE_KERNELS(f32, float)
 DEFINE_KERNELS(bf16, uint16_t)
+
+/* ---- Ragged attention on AMX (bfloat16) ------------------------------------------------------------
+ * Many query rows against shared key lists read straight from the KV pool: the shared segments of
+ * cascade attention (every row sees every key) and the tails of requests extending by several
+ * tokens (row j sees the first limits[j] keys: causal). One call attends n_items items; item i has
+ * the keys slots[key_off[i]:key_off[i+1]] (L_i of them) and the query token rows
+ * rows[row_off[i]:row_off[i+1]] of q ([*, nh, d] bfloat16, rows q_stride elements apart).
+ * Query head hd reads kv head hd / (nh / nkv); the nh / nkv query heads of a kv head are stacked as
+ * rows ("vectors"), so each kv head's keys are packed once and read by 16 vectors per tile.
+ *
+ * Per (item, kv head): K is packed into AMX's pair-interleaved ("VNNI") B layout for S = Q K^T and V
+ * likewise for O = P V, into `work` (2 * nkv * L32_i * d bfloat16 per item, L32 = L rounded up to
+ * 32). Per block of 16 vectors: scores in float32 by TDPBF16PS (bfloat16 products exact, float32
+ * sums), softmax in float32 over chunks of RAGGED_KC keys with the running max / sum rescaling of
+ * FlashAttention (Dao et al., arXiv 2205.14135), probabilities rounded to bfloat16 for the P V tile
+ * product (as PyTorch's CPU flash kernel does for bfloat16) and summed after rounding, output in
+ * float32. Result per (row, head): merge == 0 writes out [*, nh, d] float32 and lse [*, nh] (natural
+ * log-sum-exp of the scaled scores, -inf for a row that sees no key); merge != 0 folds it into what
+ * out/lse hold (log-sum-exp weighting, as merge_*), so rows must be distinct across a call's items.
+ * Returns 1 when done; 0 without touching anything where AMX is unusable (no CPU support, the kernel
+ * refused the tile state) or d is not a multiple of 32 up to 256; -1 when work (work_bytes long) is
+ * smaller than the packing needs. packed != 0: work already holds these items' packing (from an
+ * earlier call on the same keys, e.g. a shared prefix at the previous decode step) and is read as is. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define RAGGED_KC 256 /* keys per softmax chunk: a multiple of 32 */
+/* 16-vector blocks of one kv head per task: its packed K/V, read from memory by the first block, is
+ * still in the core's L2 for the others */
+#define RAGGED_TASK_BLOCKS 2
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state = -1;
+
+/* e^x on 16 lanes, 0 where k is clear, for softmax probabilities that are then rounded to bfloat16:
+ * x = n ln2 + f as in fast_expf (n rounded by the 1.5 * 2^23 trick), a degree-4 Taylor polynomial of
+ * e^f (relative error < 5e-5, far below bfloat16's 2^-9) by FMAs, 2^n applied by VSCALEF (which
+ * underflows to 0 and overflows to inf cleanly). */
+static inline __m512 exp_ps(__mmask16 k, __m512 x) {
+    const __m512 magic = _mm512_set1_ps(12582912.f);
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24), f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(k, p, n);
+}
+
+/* 1 if this process may use AMX tiles (Linux asks each process to request the tile state once). */
+int amx_available(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                           18 /* XFEATURE_XTILEDATA */) == 0;
+    return amx_state;
+}
+
+/* r[i] element j -> r[j] element i, for 16 vectors of 16 32-bit elements: pairs within 128-bit lanes
+ * (unpack 32 then 64), then 4 x 4 transposes of the 128-bit lanes (two rounds of VSHUFI32X4). */
+static inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c], lane L: rows 4i..4i+3 of column 4L + c */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* Pack keys j0 .. j0+31 of one item (slots sl, len keys, j0 a multiple of 32) for every kv head h:
+ * K into kp + h * l32 * d/2 (uint32) in TDPBF16PS's B layout for S = Q K^T, V into vp + h * l32 * d
+ * likewise for O = P V; keys past len are zeros. All heads of a slot are one 384-byte pool row for
+ * SmolLM2, so packing them together reads each row once, whole; the next block's rows are fetched
+ * ahead (a request's slots are scattered over the pool and miss the caches). */
+static void ragged_pack(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t len,
+                        int64_t j0, int64_t nkv, int64_t d, int64_t l32, uint32_t *kp, uint16_t *vp) {
+    int64_t half = d / 2, ng = d / 16, row = nkv * d;
+    for (int64_t h = 0; h < nkv; h++) {
+        uint32_t *kh = kp + h * l32 * half;
+        uint16_t *vh = vp + h * l32 * d;
+        /* K: block kb of 16 keys, pair p -> kh[(kb * half + p) * 16 + n] holds key kb*16+n's pair p:
+         * per 16 pairs a 16 x 16 transpose of 32-bit elements in registers */
+        for (int64_t kb = j0 / 16; kb < j0 / 16 + 2; kb++) {
+            const uint32_t *src[16];
+            for (int64_t n = 0; n < 16; n++) {
+                int64_t j = kb * 16 + n;
+                src[n] = j < len ? (const uint32_t *)(k_cache + sl[j] * row + h * d) : NULL;
+            }
+            for (int64_t c = 0; c < half / 16; c++) {
+                __m512i r[16];
+                for (int n = 0; n < 16; n++) r[n] = src[n] ? _mm512_loadu_si512(src[n] + 16 * c) : _mm512_setzero_si512();
+                transpose16x16_epi32(r);
+                for (int p = 0; p < 16; p++) _mm512_storeu_si512(kh + (kb * half + 16 * c + p) * 16, r[p]);
+            }
+        }
+        /* V: block of 32 keys, group of 16 dims -> 16 key pairs x 16 dims x 2 (keys 2i, 2i+1 interleaved) */
+        for (int64_t kp2 = j0 / 2; kp2 < j0 / 2 + 16; kp2++) {
+            int64_t ja = 2 * kp2, jb = ja + 1;
+            const uint16_t *a = ja < len ? v_cache + sl[ja] * row + h * d : NULL;
+            const uint16_t *b = jb < len ? v_cache + sl[jb] * row + h * d : NULL;
+            for (int64_t g = 0; g < ng; g++) {
+                __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + 16 * g))) : _mm512_setzero_si512();
+                __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16 * g))) : _mm512_setzero_si512();
+                uint16_t *dst = vh + (((kp2 / 16) * ng + g) * 16 + kp2 % 16) * 32;
+                _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+    }
+}
+
+/* One block of up to 16 vectors (v0 .. v0+15 of an item's row x group-head stack) for kv head h. */
+static void ragged_block(const uint16_t *q, int64_t q_stride, const int64_t *rows, const int64_t *limits,
+                         int64_t nrows, int64_t len, int64_t v0, int64_t h, int64_t nh, int64_t grp, int64_t d,
+                         float scale, const uint32_t *kp, const uint16_t *vp, float *out, float *lse, int merge) {
+    __attribute__((aligned(64))) uint16_t qa[16 * 256];
+    __attribute__((aligned(64))) float S[16 * RAGGED_KC];
+    __attribute__((aligned(64))) uint16_t P[16 * RAGGED_KC];
+    __attribute__((aligned(64))) float O[16 * 256];
+    float mrow[16], lrow[16];
+    int64_t lim[16], maxlim = 0, half = d / 2, ng = d / 16, nvec = nrows * grp;
+    for (int m = 0; m < 16; m++) {
+        int64_t v = v0 + m;
+        if (v < nvec) {
+            int64_t r = v / grp;
+            memcpy(qa + m * d, q + rows[r] * q_stride + (h * grp + v % grp) * d, d * 2);
+            lim[m] = limits ? (limits[r] < len ? limits[r] : len) : len;
+        } else {
+            memset(qa + m * d, 0, d * 2);
+            lim[m] = 0;
+        }
+        if (lim[m] > maxlim) maxlim = lim[m];
+        mrow[m] = -INFINITY;
+        lrow[m] = 0.f;
+    }
+    memset(O, 0, sizeof(float) * 16 * d);
+    for (int64_t c0 = 0; c0 < maxlim; c0 += RAGGED_KC) {
+        int64_t nk = maxlim - c0 < RAGGED_KC ? maxlim - c0 : RAGGED_KC, nk32 = (nk + 31) / 32 * 32;
+        if (d == 64) { _tile_loadd(0, qa, 128); _tile_loadd(1, qa + 32, 128); }
+        int64_t kb = 0;
+        if (d == 64)  /* two key blocks a step: two independent accumulation chains */
+            for (; kb + 2 <= nk32 / 16; kb += 2) {
+                const uint32_t *kb_p = kp + ((c0 / 16 + kb) * half) * 16;
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_loadd(2, kb_p, 64);
+                _tile_loadd(3, kb_p + 16 * 16, 64);
+                _tile_loadd(6, kb_p + 32 * 16, 64);
+                _tile_loadd(7, kb_p + 48 * 16, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 0, 6);
+                _tile_dpbf16ps(4, 1, 3);
+                _tile_dpbf16ps(5, 1, 7);
+                _tile_stored(4, S + kb * 16, RAGGED_KC * 4);
+                _tile_stored(5, S + kb * 16 + 16, RAGGED_KC * 4);
+            }
+        for (; kb < nk32 / 16; kb++) {
+            const uint32_t *kb_p = kp + ((c0 / 16 + kb) * half) * 16;
+            _tile_zero(4);
+            if (d == 64) {
+                _tile_loadd(2, kb_p, 64);
+                _tile_loadd(3, kb_p + 16 * 16, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(4, 1, 3);
+            } else {
+                for (int64_t c = 0; c < d / 32; c++) {
+                    _tile_loadd(0, qa + 32 * c, d * 2);
+                    _tile_loadd(2, kb_p + c * 16 * 16, 64);
+                    _tile_dpbf16ps(4, 0, 2);
+                }
+            }
+            _tile_stored(4, S + kb * 16, RAGGED_KC * 4);
+        }
+        for (int m = 0; m < 16; m++) {
+            int64_t valid = lim[m] - c0;
+            valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
+            float *s = S + m * RAGGED_KC, mx = mrow[m];
+            uint16_t *p = P + m * RAGGED_KC;
+            /* max and sum each over four / two independent chains (latency, not throughput, bound) */
+            __m512 vm[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                            _mm512_set1_ps(-INFINITY)};
+            int64_t j = 0;
+            for (; j + 64 <= valid; j += 64)
+                for (int u = 0; u < 4; u++) vm[u] = _mm512_max_ps(vm[u], _mm512_loadu_ps(s + j + 16 * u));
+            for (; j < valid; j += 16) {
+                __mmask16 k = valid - j >= 16 ? 0xffff : (__mmask16)((1u << (valid - j)) - 1);
+                vm[0] = _mm512_mask_max_ps(vm[0], k, vm[0], _mm512_loadu_ps(s + j));
+            }
+            __m512 vmax = _mm512_max_ps(_mm512_max_ps(vm[0], vm[1]), _mm512_max_ps(vm[2], vm[3]));
+            float cm = valid ? _mm512_reduce_max_ps(vmax) * scale : -INFINITY; /* scale > 0: max commutes */
+            mx = cm > mx ? cm : mx;
+            if (mx == -INFINITY) { memset(p, 0, nk32 * 2); continue; }
+            __m512 vmx = _mm512_set1_ps(mx), vsc = _mm512_set1_ps(scale);
+            __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (j = 0; j < nk32; j += 32)
+                for (int u = 0; u < 2; u++) {
+                    int64_t jj = j + 16 * u;
+                    __mmask16 k = jj >= valid ? 0 : (valid - jj >= 16 ? 0xffff : (__mmask16)((1u << (valid - jj)) - 1));
+                    __m512 e = exp_ps(k, _mm512_fmsub_ps(_mm512_loadu_ps(s + jj), vsc, vmx));
+                    _mm256_storeu_si256((__m256i *)(p + jj), (__m256i)_mm512_cvtneps_pbh(e));
+                    acc[u] = _mm512_add_ps(acc[u], e);
+                }
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+            float alpha = mrow[m] == -INFINITY ? 0.f : (mrow[m] == mx ? 1.f : fast_expf(mrow[m] - mx));
+            if (alpha != 1.f) for (int64_t i = 0; i < d; i++) O[m * d + i] *= alpha;
+            lrow[m] = lrow[m] * alpha + sum;
+            mrow[m] = mx;
+        }
+        for (int64_t g0 = 0; g0 < ng; g0 += 4) {
+            int64_t nt = ng - g0 < 4 ? ng - g0 : 4;
+            float *o = O + g0 * 16;
+            _tile_loadd(4, o, d * 4);
+            _tile_loadd(5, o + 16, d * 4);
+            if (nt > 2) _tile_loadd(6, o + 32, d * 4);
+            if (nt > 3) _tile_loadd(7, o + 48, d * 4);
+            for (int64_t kb = 0; kb < nk32 / 32; kb++) {
+                const uint16_t *vb = vp + ((c0 / 32 + kb) * ng + g0) * 512;
+                _tile_loadd(0, P + kb * 32, RAGGED_KC * 2);
+                _tile_loadd(1, vb, 64);
+                _tile_dpbf16ps(4, 0, 1);
+                _tile_loadd(1, vb + 512, 64);
+                _tile_dpbf16ps(5, 0, 1);
+                if (nt > 2) { _tile_loadd(1, vb + 1024, 64); _tile_dpbf16ps(6, 0, 1); }
+                if (nt > 3) { _tile_loadd(1, vb + 1536, 64); _tile_dpbf16ps(7, 0, 1); }
+            }
+            _tile_stored(4, o, d * 4);
+            _tile_stored(5, o + 16, d * 4);
+            if (nt > 2) _tile_stored(6, o + 32, d * 4);
+            if (nt > 3) _tile_stored(7, o + 48, d * 4);
+        }
+    }
+    for (int m = 0; m < 16 && v0 + m < nvec; m++) {
+        int64_t v = v0 + m, hd = h * grp + v % grp, r = rows[v / grp];
+        float *orow = out + (r * nh + hd) * d, *ol = lse + r * nh + hd;
+        if (lrow[m] == 0.f) {
+            if (!merge) { memset(orow, 0, d * 4); *ol = -INFINITY; }
+            continue;
+        }
+        float nl = mrow[m] + logf(lrow[m]), inv = 1.0f / lrow[m];
+        if (!merge || *ol == -INFINITY) {
+            for (int64_t i = 0; i < d; i++) orow[i] = O[m * d + i] * inv;
+            *ol = nl;
+            continue;
+        }
+        float mm = *ol > nl ? *ol : nl, w1 = expf(*ol - mm), w2 = expf(nl - mm), s = w1 + w2;
+        for (int64_t i = 0; i < d; i++) orow[i] = (orow[i] * w1 + O[m * d + i] * inv * w2) / s;
+        *ol = mm + logf(s);
+    }
+}
+
+int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                     int64_t n_items, const int64_t *key_off, const int64_t *slots, const int64_t *row_off,
+                     const int64_t *rows, const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale,
+                     float *out, float *lse, int64_t merge, uint16_t *work, int64_t work_bytes,
+                     int64_t packed) {
+    if (d % 32 || d > 256 || nh % nkv || !amx_available()) return 0;
+    int64_t grp = nh / nkv;
+    /* per item: pk its packing offset (uint16 units), poff its first 32-key packing task, toff its first
+     * (kv head, 16-vector block) task */
+    int64_t *pk = (int64_t *)malloc(sizeof(int64_t) * 3 * (n_items + 1));
+    if (!pk) return 0;
+    int64_t *toff = pk + n_items + 1, *poff = toff + n_items + 1, flops = 0;
+    pk[0] = toff[0] = poff[0] = 0;
+    for (int64_t i = 0; i < n_items; i++) {
+        int64_t len = key_off[i + 1] - key_off[i], nr = row_off[i + 1] - row_off[i];
+        pk[i + 1] = pk[i] + 2 * nkv * ((len + 31) / 32 * 32) * d;
+        toff[i + 1] = toff[i] + nkv * (((nr * grp + 15) / 16 + RAGGED_TASK_BLOCKS - 1) / RAGGED_TASK_BLOCKS);
+        poff[i + 1] = poff[i] + (len + 31) / 32;
+        flops += nr * nh * len * d;
+    }
+    if (pk[n_items] * 2 > work_bytes) { free(pk); return -1; }
+#pragma omp parallel if (flops >= 64 * PAR_MIN_WORK)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < (packed ? 0 : poff[n_items]); t++) {
+            int64_t lo = 0, hi = n_items - 1;
+            while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (poff[mid] <= t) lo = mid; else hi = mid - 1; }
+            int64_t i = lo, len = key_off[i + 1] - key_off[i], l32 = (len + 31) / 32 * 32;
+            uint16_t *base = work + pk[i];
+            ragged_pack(k_cache, v_cache, slots + key_off[i], len, (t - poff[i]) * 32, nkv, d, l32,
+                        (uint32_t *)base, base + nkv * l32 * d);
+        }
+        tile_config cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < toff[n_items]; t++) {
+            int64_t lo = 0, hi = n_items - 1;
+            while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (toff[mid] <= t) lo = mid; else hi = mid - 1; }
+            int64_t i = lo, len = key_off[i + 1] - key_off[i], nr = row_off[i + 1] - row_off[i];
+            int64_t nblk = (nr * grp + 15) / 16, nch = (nblk + RAGGED_TASK_BLOCKS - 1) / RAGGED_TASK_BLOCKS;
+            int64_t h = (t - toff[i]) / nch, b0 = (t - toff[i]) % nch * RAGGED_TASK_BLOCKS;
+            int64_t l32 = (len + 31) / 32 * 32;
+            const uint16_t *base = work + pk[i];
+            for (int64_t b = b0; b < b0 + RAGGED_TASK_BLOCKS && b < nblk; b++)
+                ragged_block(q, q_stride, rows + row_off[i], limits ? limits + row_off[i] : NULL, nr, len, b * 16, h,
+                             nh, grp, d, scale, (const uint32_t *)(base + h * l32 * d), base + (nkv + h) * l32 * d,
+                             out, lse, (int)merge);
+        }
+        _tile_release();
+    }
+    free(pk);
+    return 1;
+}
+#else
+int amx_available(void) { return 0; }
+int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                     int64_t n_items, const int64_t *key_off, const int64_t *slots, const int64_t *row_off,
+                     const int64_t *rows, const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale,
+                     float *out, float *lse, int64_t merge, uint16_t *work, int64_t work_bytes,
+                     int64_t packed) {
+    return 0;
+}
+#endif

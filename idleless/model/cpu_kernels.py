@@ -50,6 +50,8 @@ _SIGNATURES = {
     "decode_attn": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
     "merge": [_P, _P, _P, _P, _P, _P, _I, _I, _I],
 }
+# kernels without a float32 twin: name -> (argtypes, restype)
+_BF16_ONLY = {"ragged_attn": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _I, _P, _I, _I], ctypes.c_int)}
 
 
 def _cpu_id() -> str:
@@ -149,6 +151,14 @@ class CpuKernels:
             fn = getattr(lib, f"{name}_{suf}")
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
+        lib.amx_available.argtypes, lib.amx_available.restype = [], ctypes.c_int
+        # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn: bfloat16 only
+        self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
+        if self.has_amx:
+            for name, (argtypes, restype) in _BF16_ONLY.items():
+                fn = getattr(lib, f"{name}_bf16")
+                fn.argtypes, fn.restype = argtypes, restype
+                setattr(self, f"_{name}", fn)
 
     def _check(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -247,3 +257,47 @@ class CpuKernels:
         H, D = out.shape[1:]
         self._merge(out.data_ptr(), lse.data_ptr(), o.data_ptr(), o_lse.data_ptr(), src_rows.data_ptr(),
                     dst_rows.data_ptr(), src_rows.numel(), H, D)
+
+    @staticmethod
+    def ragged_work_bytes(key_lens: list[int], num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of the ``work`` buffer ragged_attn needs for items of key_lens keys: K and V of
+        every kv head packed, each item's keys rounded up to 32."""
+        return sum(4 * num_kv_heads * ((n + 31) // 32 * 32) * head_dim for n in key_lens)
+
+    def ragged_attn(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_offsets: torch.Tensor,
+                    slots: torch.Tensor, row_offsets: torch.Tensor, rows: torch.Tensor,
+                    limits: Optional[torch.Tensor], scale: float, out: torch.Tensor, lse: torch.Tensor,
+                    merge: bool, work: torch.Tensor, packed: bool = False) -> None:
+        """Attention of many query rows against shared key lists in the pool, on AMX tiles (bfloat16
+        only; ``has_amx``). Item i: keys slots[key_offsets[i]:key_offsets[i+1]] of k_cache / v_cache
+        [num_slots, Hkv, D], query rows rows[row_offsets[i]:row_offsets[i+1]] of q [T, H, D] (heads
+        contiguous, rows may be strided); row entry j sees the first limits[j] keys of its item
+        (causal tails) or all of them (limits None: a shared segment). Writes (merge False) or
+        log-sum-exp-merges into (merge True) out [*, H, D] float32 and lse [*, H] float32; rows must
+        be distinct across items. work: uint8, at least ``ragged_work_bytes`` long, where K and V
+        are packed into the tile layout; packed True: it already holds this call's packing (the same
+        keys, unchanged since: a shared prefix at the next decode step) and is read as is. Float32 softmax,
+        FlashAttention's chunked rescaling (arXiv 2205.14135), probabilities rounded to bfloat16 for
+        the P V product. Raises ValueError on a layout it cannot read, RuntimeError without AMX."""
+        if not self.has_amx:
+            raise RuntimeError("ragged_attn needs AMX tiles and bfloat16 kernels")
+        self._check(q, k_cache, v_cache)
+        _, H, D = q.shape
+        Hkv = k_cache.shape[1]
+        n = key_offsets.numel() - 1
+        if (q.stride(2) != 1 or q.stride(1) != D or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or v_cache.shape != k_cache.shape or k_cache.shape[2] != D or H % Hkv or n < 0
+                or row_offsets.numel() != n + 1 or out.dtype != torch.float32 or out.shape[1:] != (H, D)
+                or not out.is_contiguous() or lse.dtype != torch.float32 or not lse.is_contiguous()
+                or lse.shape[1:] != (H,) or (limits is not None and limits.numel() != rows.numel())
+                or work.dtype != torch.uint8 or not work.is_contiguous()):
+            raise ValueError("ragged_attn: layout mismatch")
+        _check_index(key_offsets, slots, row_offsets, rows, *(() if limits is None else (limits,)))
+        ok = self._ragged_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
+                               key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
+                               _ptr(limits), H, Hkv, D, scale, out.data_ptr(), lse.data_ptr(), int(merge),
+                               work.data_ptr(), work.numel(), int(packed))
+        if ok == -1:
+            raise ValueError("ragged_attn: work buffer smaller than ragged_work_bytes")
+        if ok != 1:
+            raise ValueError(f"ragged_attn: head_dim {D} is not a multiple of 32 up to 256")
