@@ -1,4 +1,5 @@
-"""The attention backend's batch plan: shared-segment discovery against brute force.
+"""The attention backend's batch plan: shared-segment discovery against brute force, and the packed
+shared segments the AMX path keeps across decode steps.
 
 ``find_shared_segments`` walks the requests' slot tables like the radix tree they came from; here the
 tables are random trees of shared stretches (a system prompt, documents, sub-documents, some shorter
@@ -7,11 +8,14 @@ than a segment's minimum) and the result is checked against properties computed 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idleless.model.attention import MIN_SHARED_TOKENS, find_shared_segments
+from idleless.cache.kv_pool import KVPool
+from idleless.model import cpu_kernels
+from idleless.model.attention import MIN_SHARED_TOKENS, TorchNativeAttention, find_shared_segments
 
 
 @st.composite
@@ -75,3 +79,44 @@ def test_segments_tile_each_shared_prefix(tables):
                    default=0)
         assert shared[i] <= best
         assert shared[i] >= best - (MIN_SHARED_TOKENS - 1)
+
+
+@pytest.mark.skipif(not getattr(cpu_kernels.load(torch.bfloat16), "has_amx", False), reason="no AMX tiles on this CPU")
+def test_packed_segments_follow_the_pool_contents():
+    """Two decode rows sharing a 40-token prefix: the segment's packed K/V is made at the first step
+    and reused at the next; when the prefix's slots are freed and handed out again with other K/V
+    (a new prompt in the same slots), the next step packs again. Each step's output is checked against
+    a float64 softmax over the pool's contents at that step (a stale pack would attend the old keys)."""
+    H, Hkv, D = 4, 2, 64
+    pool = KVPool(1, Hkv, D, 128, torch.bfloat16)
+    backend = TorchNativeAttention(pool, H, Hkv, D, kernels=cpu_kernels.load(torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    prefix, own = pool.alloc(0, 0, 40), [pool.alloc(0, 0, 1), pool.alloc(0, 0, 1)]
+
+    def fill(slots):
+        pool.k_cache[0, slots] = torch.randn(len(slots), Hkv, D, generator=g).bfloat16()
+        pool.v_cache[0, slots] = torch.randn(len(slots), Hkv, D, generator=g).bfloat16()
+
+    def step():
+        tables = [torch.cat([prefix, own[i]]) for i in range(2)]
+        meta = backend.prepare([1, 1], [40, 40], tables)
+        (seg,) = meta.segments
+        reused = seg.packed.done[0]
+        q = torch.randn(2, H, D, generator=g).bfloat16()
+        k, v = (torch.randn(2, Hkv, D, generator=g).bfloat16() for _ in range(2))
+        out = backend.forward(q, k, v, 0, meta, torch.cat(own))
+        for i in range(2):
+            keys, vals = pool.k_cache[0, tables[i]].double(), pool.v_cache[0, tables[i]].double()
+            s = torch.einsum("hd,lhd->hl", q[i].double(), keys.repeat_interleave(H // Hkv, 1)) * D ** -0.5
+            ref = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), vals.repeat_interleave(H // Hkv, 1))
+            torch.testing.assert_close(out[i].double(), ref, rtol=0, atol=2 ** -6)
+        return reused
+
+    fill(prefix)
+    assert not step()  # packed now
+    assert step()  # the same prefix slots at the next step: the pack is reused
+    pool.free(prefix)
+    again = pool.alloc(0, 0, 40)
+    assert set(again.tolist()) == set(prefix.tolist())  # the same slots (kept in the old order: the same key)
+    fill(prefix)  # another prompt's K/V in the same slots
+    assert not step()

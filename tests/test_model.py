@@ -273,6 +273,47 @@ def test_bfloat16_kernels_give_the_eager_logits(tmp_path):
     assert (out["kernels"].argmax(-1) == out["eager"].argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.skipif(not getattr(cpu_kernels.load(torch.bfloat16), "has_amx", False), reason="no AMX tiles on this CPU")
+def test_ragged_amx_attention_gives_the_flash_logits(tmp_path):
+    """bfloat16 with AMX: shared segments and multi-token tails run in the ragged kernel, straight from
+    the pool, against the same runner with that kernel off (padded tails and segments in PyTorch's
+    flash kernel, merged by the merge kernel). Both round probabilities to bfloat16, so the logits of
+    prefills, extends over a shared prefix (a system prompt for all, a document for two pairs) and
+    decode steps agree to bfloat16 accuracy; a lost causal limit or a segment merged twice moves them
+    by O(1)."""
+    path = make_tiny_model(tmp_path, hidden_size=96, head_dim=64, num_attention_heads=6, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(13)
+
+    def rand(n):
+        return torch.randint(3, 256, (n,), generator=g).tolist()
+
+    system, doc1, doc2 = rand(40), rand(20), rand(20)
+    seqs = {"s": system + doc1 + rand(3), "t": system + doc1 + rand(5), "u": system + doc2 + rand(4),
+            "v": system + doc2 + rand(6), "w": system + rand(37)}
+    out, kinds = {}, {}
+    for name in ("ragged", "flash"):
+        runner = ModelRunner(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="2MiB",
+                                          num_threads=TEST_THREADS))
+        runner.backend.use_ragged = name == "ragged"
+        metas = []
+        prepare = runner.backend.prepare
+        runner.backend.prepare = lambda *a: metas.append(prepare(*a)) or metas[-1]
+        drv = MixedBatchDriver(runner, seqs)
+        drv.step({"s": 60})
+        drv.step({"u": 60})
+        for r in "tvw":
+            drv.share(r, "s" if r == "t" else "u" if r == "v" else "s", 60 if r in "tv" else 40)
+        drv.step({"s": 1, "t": 3, "u": 2, "v": 4, "w": 37})
+        while any(drv.done[r] < len(seqs[r]) for r in seqs):
+            drv.step({r: 1 for r in seqs if drv.done[r] < len(seqs[r])})
+        out[name] = torch.stack([drv.logits[r][p] for r in seqs for p in sorted(drv.logits[r])])
+        kinds[name] = {type(g).__name__ for m in metas for g in m.tails + m.segments}
+    assert "RaggedGroup" in kinds["ragged"] and "RaggedGroup" not in kinds["flash"]
+    scale = float(out["flash"].abs().max())
+    assert float((out["ragged"] - out["flash"]).abs().max()) <= 0.02 * scale
+    assert (out["ragged"].argmax(-1) == out["flash"].argmax(-1)).float().mean() >= 0.95
+
+
 def test_mistral_sliding_window(tmp_path):
     path = make_tiny_model(tmp_path, arch="mistral", sliding_window=8)
     runner = _runner(path)

@@ -31,6 +31,9 @@ class KVPool:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
         self._num_free_pages = self.num_pages
+        # bumped whenever slots are freed (and so may be rewritten by their next owner): copies made from
+        # slot contents (the attention backend's packed shared segments) hold only while it is unchanged
+        self.free_epoch = 0
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -79,6 +82,7 @@ class KVPool:
         part always starts on a page boundary), so the pages touched are freed."""
         if slots.numel() == 0:
             return
+        self.free_epoch += 1
         pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
         n = pages.numel()
         self._free_pages[self._num_free_pages:self._num_free_pages + n] = pages

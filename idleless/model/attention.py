@@ -16,6 +16,11 @@ against). It reads K/V from the KV pool through each request's slot table, so an
   With the fused CPU kernels (``cpu_kernels``), the tails of decode rows (one new token each) are
   attended by the decode kernel straight from the pool (no gather, no padding), KV writes and the
   log-sum-exp merges are kernels too.
+* **AMX (bfloat16 on CPUs with AMX tiles).** Shared segments and multi-token tails both run in the
+  ragged kernel (``cpu_kernels.ragged_attn``): no padding, no masks, no gathers, one call for all
+  tails and one per set of segments with distinct rows, each row's causal limit given as a number.
+  The kernel packs keys into the tile layout; a segment's packing is kept across forwards
+  (a system prompt is packed at the first decode step, not at every one) until the pool frees a slot.
 
 Interface: ``meta = backend.prepare(extend_lens, prefix_lens, slot_tables)`` once per forward,
 then ``backend.forward(q, k, v, layer_id, meta, out_cache_loc)`` per layer.
@@ -70,6 +75,39 @@ class DecodeGroup:
     offsets: torch.Tensor
 
 
+# Packed shared segments kept across forwards (bytes, all layers together): a decode step's system
+# prompt and documents are packed once, at their first step, not once per step.
+PACK_CACHE_BYTES = 512 << 20
+
+
+@dataclass
+class PackedKeys:
+    """A ragged call's keys in the kernel's tile layout, one row of buf [num_layers, work_bytes] uint8
+    per layer; done[layer] once that layer's row is filled."""
+
+    buf: torch.Tensor
+    done: list[bool]
+
+
+@dataclass
+class RaggedGroup:
+    """Items attended by the AMX ragged kernel (cpu_kernels.ragged_attn) straight from the pool, no
+    padding: item i's keys are slots[key_offsets[i]:key_offsets[i+1]], its query rows
+    rows[row_offsets[i]:row_offsets[i+1]] (distinct across items); row entry j sees its item's first
+    limits[j] keys (the causal tails of multi-token extends) or all of them (limits None: shared
+    segments). merge: fold into the tails' results (segments) rather than write (tails).
+    work_bytes: the packing buffer the call needs. Index tensors int64."""
+
+    key_offsets: torch.Tensor
+    slots: torch.Tensor
+    row_offsets: torch.Tensor
+    rows: torch.Tensor
+    limits: torch.Tensor | None
+    merge: bool
+    work_bytes: int
+    packed: PackedKeys | None = None  # kept across forwards (shared segments), else the shared work buffer
+
+
 @dataclass
 class SegmentGroup:
     """Shared KV stretches attended in one kernel call: S stretches, each shared by several requests
@@ -92,8 +130,8 @@ class SegmentGroup:
 
 @dataclass
 class AttnMetadata:
-    tails: list[TailGroup | DecodeGroup]
-    segments: list[SegmentGroup]
+    tails: list[TailGroup | DecodeGroup | RaggedGroup]
+    segments: list[SegmentGroup | RaggedGroup]
     num_tokens: int
     identity: bool  # one tail group whose valid rows are the batch rows in order, and no segment
 
@@ -184,6 +222,13 @@ class TorchNativeAttention:
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.use_segments = True
+        # AMX tiles (bfloat16): shared segments and multi-token tails by the ragged kernel, no padding
+        self.use_ragged = (self.kernels is not None and self.kernels.has_amx and head_dim % 32 == 0
+                           and head_dim <= 256)
+        self._work = torch.empty(0, dtype=torch.uint8)  # the ragged kernel's K/V packing buffer, grown
+        # shared segments' packed K/V by their slots; valid while no slot was freed (pool.free_epoch)
+        self._packs: dict[bytes, PackedKeys] = {}
+        self._packs_epoch = -1
 
     def prepare(self, extend_lens: list[int], prefix_lens: list[int],
                 slot_tables: list[torch.Tensor]) -> AttnMetadata:
@@ -200,14 +245,25 @@ class TorchNativeAttention:
             window = None  # nothing in this batch is old enough to fall out of the window
         if self.use_segments and B > 1 and window is None:
             seg_list, shared = find_shared_segments(prefix_lens, slot_tables)
-        segments = self._segment_groups(
-            [(torch.tensor([r for i in reqs for r in range(starts[i], starts[i] + extend_lens[i])]),
-              slot_tables[reqs[0]][a:b]) for reqs, a, b in seg_list])
+        ragged = self.use_ragged and window is None
+        seg_rows = [(torch.tensor([r for i in reqs for r in range(starts[i], starts[i] + extend_lens[i])]),
+                     slot_tables[reqs[0]][a:b]) for reqs, a, b in seg_list]
+        segments = self._ragged_segments(seg_rows) if ragged else self._segment_groups(seg_rows)
+        if ragged:
+            self._keep_packed(segments)
         # tails: positions [shared[i], seq_len) of each request, causal for its new tokens
         kv_lens = [p + e - s for p, e, s in zip(prefix_lens, extend_lens, shared)]
         G = self.group
         dtype = self.pool.dtype
         tails = []
+        if ragged and any(e > 1 for e in extend_lens):  # multi-token tails: one ragged call, causal limits
+            multi = [i for i, e in enumerate(extend_lens) if e > 1]
+            pre = [prefix_lens[i] - shared[i] for i in multi]
+            tails.append(self._ragged_group(
+                [slot_tables[i][shared[i]:] for i in multi],
+                [torch.arange(starts[i], starts[i] + extend_lens[i]) for i in multi],
+                torch.cat([torch.arange(p + 1, p + 1 + extend_lens[i]) for p, i in zip(pre, multi)]), merge=False))
+            extend_lens = [e if e == 1 else 0 for e in extend_lens]  # the rest: decode rows only
         for idx in _group_requests(extend_lens, kv_lens):
             nb = len(idx)
             E = max(extend_lens[i] for i in idx)
@@ -241,10 +297,56 @@ class TorchNativeAttention:
             valid = valid2d.reshape(-1)
             tails.append(TailGroup(token_index, kv_index, mask, valid, token_index.reshape(-1)[valid], causal))
         t0 = tails[0]
-        rows0 = t0.rows if isinstance(t0, DecodeGroup) else t0.out_rows
-        identity = (not segments and len(tails) == 1 and torch.equal(rows0, torch.arange(acc))
+        identity = (not segments and len(tails) == 1 and not isinstance(t0, RaggedGroup)
+                    and torch.equal(t0.rows if isinstance(t0, DecodeGroup) else t0.out_rows, torch.arange(acc))
                     and (isinstance(t0, DecodeGroup) or bool(t0.valid.all())))
+        need = max([g.work_bytes for g in tails + segments if isinstance(g, RaggedGroup) and g.packed is None],
+                   default=0)
+        if need > self._work.numel():
+            self._work = torch.empty(need, dtype=torch.uint8)
         return AttnMetadata(tails, segments, acc, identity)
+
+    def _keep_packed(self, groups: list[RaggedGroup]) -> None:
+        """Give the segment calls their packing from earlier forwards (or a new one to fill), keyed by
+        their slots. A shared prefix's slots hold the same K/V while any request holds them, and slots
+        are rewritten only after being freed, so every pack is dropped when the pool frees a slot, and
+        packs of segments absent from this forward are dropped too (at most PACK_CACHE_BYTES kept)."""
+        if self.pool.free_epoch != self._packs_epoch:
+            self._packs, self._packs_epoch = {}, self.pool.free_epoch
+        kept, total = {}, 0
+        for g in groups:
+            key = g.key_offsets.numpy().tobytes() + g.slots.numpy().tobytes()
+            entry = self._packs.get(key)
+            size = len(self._k_layers) * g.work_bytes
+            if entry is None and total + size <= PACK_CACHE_BYTES:
+                entry = PackedKeys(torch.empty(len(self._k_layers), g.work_bytes, dtype=torch.uint8),
+                                   [False] * len(self._k_layers))
+            if entry is not None and total + size <= PACK_CACHE_BYTES:
+                kept[key], total, g.packed = entry, total + size, entry
+        self._packs = kept
+
+    def _ragged_group(self, slots: list[torch.Tensor], rows: list[torch.Tensor], limits: torch.Tensor | None,
+                      merge: bool) -> RaggedGroup:
+        """One ragged kernel call over items (slots[i] [L_i], rows[i] [R_i]); limits [sum R_i] or None."""
+        lens = [t.numel() for t in slots]
+        return RaggedGroup(torch.tensor([0] + lens).cumsum(0), torch.cat(slots),
+                           torch.tensor([0] + [r.numel() for r in rows]).cumsum(0), torch.cat(rows), limits, merge,
+                           self.kernels.ragged_work_bytes(lens, self.num_kv_heads, self.head_dim))
+
+    def _ragged_segments(self, segs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[RaggedGroup]:
+        """Shared segments (rows [R], slots [L]) as ragged calls that merge into the tails' results:
+        a call takes a segment whose rows it does not hold yet (each row is merged once per call), so
+        a system prompt shared by all and the documents shared by groups of them make two calls."""
+        calls: list[tuple[list, set]] = []
+        for rows, slots in segs:
+            rset = set(rows.tolist())
+            call = next((c for c in calls if not (c[1] & rset)), None)
+            if call is None:
+                calls.append(([], set()))
+                call = calls[-1]
+            call[0].append((rows, slots))
+            call[1].update(rset)
+        return [self._ragged_group([sl for _, sl in c], [r for r, _ in c], None, merge=True) for c, _ in calls]
 
     def _segment_groups(self, segs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[SegmentGroup]:
         """Pack segments (rows [R], slots [L]) into kernel calls: by length, a group takes a segment
@@ -315,7 +417,8 @@ class TorchNativeAttention:
                 kern.decode_attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows)
                 return out
             return self._tail(q, kc, vc, g)[0]
-        if not meta.segments:
+        ragged = any(isinstance(g, RaggedGroup) for g in meta.tails + meta.segments)
+        if not meta.segments and not ragged:
             out = torch.empty(T, H, D, dtype=q.dtype)
             for g in meta.tails:
                 if isinstance(g, DecodeGroup):
@@ -330,10 +433,16 @@ class TorchNativeAttention:
             if isinstance(g, DecodeGroup):
                 kern.decode_attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows, lse)
                 continue
+            if isinstance(g, RaggedGroup):
+                self._ragged(q, kc, vc, g, layer_id, out, lse)
+                continue
             o, l = self._tail(q, kc, vc, g)
             out[g.out_rows] = o[g.valid].float()
             lse[g.out_rows] = l[g.valid]
         for s in meta.segments:
+            if isinstance(s, RaggedGroup):
+                self._ragged(q, kc, vc, s, layer_id, out, lse)
+                continue
             o, l = self._segment(q, kc, vc, s)
             if kern is not None:  # o, l: the padded kernel output, real rows at s.src_rows
                 kern.merge(out, lse, o, l, s.src_rows, s.out_rows)
@@ -346,6 +455,14 @@ class TorchNativeAttention:
             out[rows] = out[rows] * torch.exp(prev_l - new_l)[..., None] + o.float() * torch.exp(l - new_l)[..., None]
             lse[rows] = new_l
         return out.to(q.dtype)
+
+    def _ragged(self, q, kc, vc, g: RaggedGroup, layer_id: int, out, lse) -> None:
+        p = g.packed
+        self.kernels.ragged_attn(q, kc, vc, g.key_offsets, g.slots, g.row_offsets, g.rows, g.limits, self.scale,
+                                 out, lse, g.merge, self._work if p is None else p.buf[layer_id],
+                                 p is not None and p.done[layer_id])
+        if p is not None:
+            p.done[layer_id] = True
 
     def _tail(self, q, kc, vc, g: TailGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (out [B*E, H, D], lse [B*E, H]) for a padded tail group."""
