@@ -64,7 +64,7 @@ class EngineConfig:
     tokenizer: Optional[str] = None  # defaults to the model's own
     dtype: str = "auto"  # float32 | bfloat16 | auto (bfloat16 when the CPU has native bf16)
     device: str = "cpu"
-    disable_weight_prepack: bool = False  # bf16 on CPU: keep oneDNN-packed weights (faster linears, weights x2 RAM)
+    disable_weight_prepack: bool = False  # bf16 on CPU: keep oneDNN- (and AMX-) packed weights (faster linears, weights x2-3 RAM)
     disable_cpu_kernels: bool = False  # CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, decode attention)
     seed: int = 0
     context_length: Optional[int] = None  # defaults to the model's max_position_embeddings

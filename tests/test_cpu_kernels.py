@@ -284,3 +284,26 @@ def test_an_index_of_another_dtype_is_refused():
     with pytest.raises(ValueError):
         k.kv_write(cache, torch.ones(2, 1, 4), torch.tensor([1, 2], dtype=torch.int32))
     assert not cache.any()
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+def test_amx_linear_matches_f_linear(m):
+    """Decode-sized linear layers on AMX against F.linear on the same bfloat16 weights: both sum the
+    exact bfloat16 products in float32 and round once, so they agree to one bfloat16 step (summation
+    order aside) for any row count up to 64 (padded row tiles), with a bias, with strided rows."""
+    k = KERNELS[torch.bfloat16]
+    g = _gen(m)
+    n, kdim = 96, 160
+    w = torch.randn(n, kdim, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, kdim + 32, generator=g).bfloat16()[:, 16:16 + kdim]  # rows kdim + 32 apart
+    packed = k.amx_pack_weight(w)
+    for b in (None, bias):
+        ours = k.amx_linear(x, packed, n, b)
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # float32 sums of exact products
+        torch.testing.assert_close(ours.float(), ref, rtol=2 ** -7, atol=1e-3)
+        assert (ours == F.linear(x, w, b)).float().mean() >= 0.99
+    with pytest.raises(ValueError):
+        k.amx_linear(torch.zeros(65, kdim).bfloat16(), packed, n)  # more rows than a decode batch
+    assert k.amx_pack_weight(torch.zeros(40, 64).bfloat16()) is None  # N not a multiple of 32

@@ -221,22 +221,26 @@ def test_bfloat16_forward_is_close_to_float32(tmp_path):
 @pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="needs a oneDNN CPU build")
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)], ids=["llama-tied", "qwen2-bias"])
 def test_prepacked_weights_give_the_plain_linear_logits(tmp_path, arch, tie):
-    """bf16 with oneDNN-packed weights (the default on CPU) vs F.linear on the same weights: the packed
-    product is the same bf16 GEMM in another memory layout, so the logits of a mixed batch (extend
-    rows and decode rows, several row counts) agree to bf16 rounding; a wrong layout or a dropped bias
-    (qwen2) or an untied head that read the embedding would move them by O(1)."""
+    """bf16 with packed weights (the default on CPU: oneDNN's layout, and on AMX CPUs also amx_linear's
+    for batches of up to 64 rows) vs F.linear on the same weights: the packed product is the same bf16
+    GEMM in another memory layout, so the logits of a 98-row extend batch (oneDNN) and an 8-row one
+    (AMX where present) agree to bf16 rounding; a wrong layout or a dropped bias (qwen2) or an untied
+    head that read the embedding would move them by O(1)."""
     path = make_tiny_model(tmp_path, arch=arch, tie=tie)
     cfg = dict(model=path, dtype="bfloat16", kv_cache_memory="2MiB", num_threads=TEST_THREADS)
     packed, plain = ModelRunner(EngineConfig(**cfg)), ModelRunner(EngineConfig(disable_weight_prepack=True, **cfg))
     assert packed.prepacked_bytes > 0 and plain.prepacked_bytes == 0
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
+    amx = packed.kernels is not None and packed.kernels.has_amx
+    assert all((m.amx is not None) == amx for m in linears) and all(m.amx is None for m in plain.model.modules()
+                                                                   if isinstance(m, Linear))
     g = torch.Generator().manual_seed(5)
-    seqs = {"a": torch.randint(3, 256, (37,), generator=g).tolist(), "b": torch.randint(3, 256, (9,), generator=g).tolist()}
+    seqs = {"a": torch.randint(3, 256, (97,), generator=g).tolist(), "b": torch.randint(3, 256, (9,), generator=g).tolist()}
     out = {}
     for name, runner in (("packed", packed), ("plain", plain)):
         drv = MixedBatchDriver(runner, seqs)
-        drv.step({"a": 30, "b": 8})
+        drv.step({"a": 90, "b": 8})
         drv.step({"a": 7, "b": 1})
         out[name] = torch.stack([drv.logits[r][p] for r in "ab" for p in range(len(seqs[r]))])
     scale = float(out["plain"].abs().max())

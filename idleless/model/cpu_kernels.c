@@ -666,8 +666,116 @@ int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     free(pk);
     return 1;
 }
+
+/* ---- Decode-sized linear layers on AMX (bfloat16) --------------------------------------------------
+ * out[m, n] = bf16(sum_k x[m, k] w[n, k] + bias[n]) for m <= 64 rows, from a weight packed once
+ * (amx_linear_pack) into TDPBF16PS's B layout: per block of 32 output columns and chunk of 32 inputs,
+ * two 16 x 16 tiles of input pairs x columns, so a block's 64 * k bytes are contiguous and each
+ * thread streams its blocks in order, fetching AMX_LINEAR_PREFETCH bytes ahead into L2. Rows go 32 at
+ * a time (2 x 2 tiles: each weight tile feeds two row tiles) then 16; float32 sums rounded to
+ * bfloat16 once, to nearest even, as oneDNN does. For a decode step's 120 SmolLM2 layers (64 rows,
+ * weights streamed from memory) 15 ms against 21 ms in oneDNN here, whose per-call cost is higher. */
+#define AMX_LINEAR_PREFETCH 16384
+void amx_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
+#pragma omp parallel for if (n * k >= 64 * PAR_MIN_WORK)
+    for (int64_t nb = 0; nb < n / 32; nb++)
+        for (int64_t kc = 0; kc < k / 32; kc++)
+            for (int64_t t = 0; t < 2; t++)
+                for (int64_t p = 0; p < 16; p++)
+                    for (int64_t c = 0; c < 16; c++) {
+                        const uint16_t *src = w + (nb * 32 + t * 16 + c) * k + kc * 32 + 2 * p;
+                        uint16_t *dst = wp + ((((nb * (k / 32) + kc) * 2 + t) * 16 + p) * 16 + c) * 2;
+                        dst[0] = src[0];
+                        dst[1] = src[1];
+                    }
+}
+
+static inline void amx_store_rows(const float *c, int64_t rows, const uint16_t *bias, int64_t col0, uint16_t *out,
+                                  int64_t ldo) {
+    __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + col0))), 16))
+                    : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(out + r * ldo + col0),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b)));
+}
+
+/* One weight block's k chunks against `rows` (16 or 32) rows of x from row r0: C tiles 4-7. */
+static inline void amx_linear_block(const uint16_t *xa, int64_t lda, int64_t r0, int64_t rows, const uint16_t *wb,
+                                    int64_t kch, int prefetch) {
+    _tile_zero(4); _tile_zero(5);
+    if (rows == 32) { _tile_zero(6); _tile_zero(7); }
+    for (int64_t kc = 0; kc < kch; kc++) {
+        if (prefetch)
+            for (int c = 0; c < 2048; c += 64)
+                _mm_prefetch((const char *)(wb + kc * 1024) + AMX_LINEAR_PREFETCH + c, _MM_HINT_T1);
+        _tile_loadd(0, xa + r0 * lda + kc * 32, lda * 2);
+        _tile_loadd(2, wb + kc * 1024, 64);
+        _tile_loadd(3, wb + kc * 1024 + 512, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (rows == 32) {
+            _tile_loadd(1, xa + (r0 + 16) * lda + kc * 32, lda * 2);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+}
+
+/* Returns 1 when done, 0 (nothing written) for m outside 1..64, n or k not multiples of 32, no AMX. */
+int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
+               const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    if (m < 1 || m > 64 || n % 32 || k % 32 || !amx_available()) return 0;
+    int64_t nblk = n / 32, kch = k / 32, mp = (m + 15) / 16 * 16, lda = ldx;
+    const uint16_t *xa = x;
+    uint16_t *xp = NULL;
+    if (mp != m) { /* rows past m read zeros */
+        xp = (uint16_t *)calloc((size_t)(mp * k), 2);
+        if (!xp) return 0;
+        for (int64_t r = 0; r < m; r++) memcpy(xp + r * k, x + r * ldx, k * 2);
+        xa = xp;
+        lda = k;
+    }
+#pragma omp parallel if (n * k >= 8 * PAR_MIN_WORK)
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+        _tile_loadconfig(&cfg);
+        __attribute__((aligned(64))) float cbuf[4][256];
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblk; nb++) {
+            const uint16_t *wb = wp + nb * kch * 1024;
+            for (int64_t r0 = 0; r0 < mp; r0 += 32) {
+                int64_t rows = mp - r0 >= 32 ? 32 : 16;
+                amx_linear_block(xa, lda, r0, rows, wb, kch, r0 == 0);
+                _tile_stored(4, cbuf[0], 64);
+                _tile_stored(5, cbuf[1], 64);
+                int64_t v0 = m - r0 < 16 ? m - r0 : 16;
+                amx_store_rows(cbuf[0], v0, bias, nb * 32, out + r0 * ldo, ldo);
+                amx_store_rows(cbuf[1], v0, bias, nb * 32 + 16, out + r0 * ldo, ldo);
+                if (rows == 32 && m > r0 + 16) {
+                    int64_t v1 = m - r0 - 16 < 16 ? m - r0 - 16 : 16;
+                    _tile_stored(6, cbuf[2], 64);
+                    _tile_stored(7, cbuf[3], 64);
+                    amx_store_rows(cbuf[2], v1, bias, nb * 32, out + (r0 + 16) * ldo, ldo);
+                    amx_store_rows(cbuf[3], v1, bias, nb * 32 + 16, out + (r0 + 16) * ldo, ldo);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    return 1;
+}
 #else
 int amx_available(void) { return 0; }
+void amx_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {}
+int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
+               const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    return 0;
+}
 int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                      int64_t n_items, const int64_t *key_off, const int64_t *slots, const int64_t *row_off,
                      const int64_t *rows, const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale,

@@ -51,7 +51,9 @@ _SIGNATURES = {
     "merge": [_P, _P, _P, _P, _P, _P, _I, _I, _I],
 }
 # kernels without a float32 twin: name -> (argtypes, restype)
-_BF16_ONLY = {"ragged_attn": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _I, _P, _I, _I], ctypes.c_int)}
+_BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
+              "amx_linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
+              "ragged_attn": ([_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _I, _P, _I, _I], ctypes.c_int)}
 
 
 def _cpu_id() -> str:
@@ -156,7 +158,7 @@ class CpuKernels:
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
             for name, (argtypes, restype) in _BF16_ONLY.items():
-                fn = getattr(lib, f"{name}_bf16")
+                fn = getattr(lib, name if name.startswith("amx_") else f"{name}_bf16")
                 fn.argtypes, fn.restype = argtypes, restype
                 setattr(self, f"_{name}", fn)
 
@@ -301,3 +303,37 @@ class CpuKernels:
             raise ValueError("ragged_attn: work buffer smaller than ragged_work_bytes")
         if ok != 1:
             raise ValueError(f"ragged_attn: head_dim {D} is not a multiple of 32 up to 256")
+
+    # rows up to which a linear layer runs in amx_linear (decode batches); larger ones stay on oneDNN
+    AMX_LINEAR_MAX_ROWS = 64
+
+    def amx_pack_weight(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """weight [N, K] (bfloat16) in amx_linear's tile layout (int16 [N * K]: the same bytes again), or
+        None where amx_linear does not apply (no AMX, N or K not a multiple of 32)."""
+        self._check(weight)
+        n, k = weight.shape
+        if not self.has_amx or n % 32 or k % 32:
+            return None
+        w = weight.contiguous()
+        wp = torch.empty(n * k, dtype=torch.int16)
+        self._amx_linear_pack(w.data_ptr(), n, k, wp.data_ptr())
+        return wp
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [M, K] (1 <= M <= AMX_LINEAR_MAX_ROWS; rows may be strided) times the weight [N, K] packed by
+        amx_pack_weight, plus bias [N] -> new [M, N] bfloat16 (float32 sums, rounded once). Raises
+        ValueError on another M or a layout mismatch."""
+        self._check(x)
+        m, k = x.shape
+        if (not 1 <= m <= self.AMX_LINEAR_MAX_ROWS or x.stride(1) != 1 or packed.numel() != n * k
+                or packed.dtype != torch.int16 or not packed.is_contiguous()):
+            raise ValueError("amx_linear: layout mismatch")
+        if bias is not None:
+            self._check(bias)
+            if bias.numel() != n or not bias.is_contiguous():
+                raise ValueError("amx_linear: bias must be contiguous [N]")
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if not self._amx_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise ValueError("amx_linear: not supported for this shape")
+        return out

@@ -129,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
                 extra += m.weight.numel() * m.weight.element_size()
         return extra
 
+    def pack_amx(self, kernels) -> int:
+        """Give every linear an AMX copy of its weight for decode-sized batches (``Linear.pack_amx``);
+        returns the extra bytes held."""
+        return sum(m.pack_amx(kernels) for m in self.modules() if isinstance(m, Linear))
+
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises KeyError naming a missing tensor."""
 

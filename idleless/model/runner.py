@@ -78,6 +78,8 @@ class ModelRunner:
             self.prepacked_bytes = self.model.prepack_weights()
         self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
         self.model.use_kernels(self.kernels)
+        if self.prepacked_bytes and self.kernels is not None and self.kernels.has_amx:
+            self.prepacked_bytes += self.model.pack_amx(self.kernels)  # decode-sized batches on AMX
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
