@@ -1,5 +1,7 @@
 """Fused CPU kernels for the glue between a layer's matmuls: RMSNorm (with the residual add), rotary
-embedding, SwiGLU, KV-pool writes, decode attention and the cascade merge.
+embedding, SwiGLU, KV-pool writes, decode attention and the cascade merge; and, on CPUs with AMX tiles
+(Intel Sapphire Rapids and later; bfloat16 only, ``has_amx``), ragged attention for shared segments and
+multi-token tails (``ragged_attn``) and the linear layers of decode-sized batches (``amx_linear``).
 
 Why: at decode each of these is 3-15 eager PyTorch ops on a few kilobytes, and inside a model step
 each op costs ~5 us of dispatch, so for SmolLM2 at batch 1 the glue took as long as the 269 MB of
@@ -12,6 +14,9 @@ which resolves to the copy PyTorch already loaded, so both share one thread pool
 agree with the eager path up to float32 summation order (tests check each against it and the model
 against transformers). Without a compiler, with an unwritable cache, or with
 ``EngineConfig.disable_cpu_kernels``, the model runs its eager PyTorch path.
+
+AMX needs the kernel's permission for the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked once);
+where it is refused, ``has_amx`` is False and those paths stay on PyTorch's flash kernel and oneDNN.
 
 All methods take CPU tensors of the dtype the object was made for (float32 or bfloat16) and raise
 ValueError on a layout the kernel cannot read; index tensors are int64.
