@@ -315,13 +315,12 @@ class TorchNativeAttention:
             self._packs, self._packs_epoch = {}, self.pool.free_epoch
         kept, total = {}, 0
         for g in groups:
-            key = g.key_offsets.numpy().tobytes() + g.slots.numpy().tobytes()
-            entry = self._packs.get(key)
             size = len(self._k_layers) * g.work_bytes
-            if entry is None and total + size <= PACK_CACHE_BYTES:
-                entry = PackedKeys([None] * len(self._k_layers))
-            if entry is not None and total + size <= PACK_CACHE_BYTES:
-                kept[key], total, g.packed = entry, total + size, entry
+            if total + size > PACK_CACHE_BYTES:
+                continue  # packed per call in the shared work buffer instead
+            key = g.key_offsets.numpy().tobytes() + g.slots.numpy().tobytes()
+            g.packed = kept[key] = self._packs.get(key) or PackedKeys([None] * len(self._k_layers))
+            total += size
         self._packs = kept
 
     def _ragged_group(self, slots: list[torch.Tensor], rows: list[torch.Tensor], limits: torch.Tensor | None,

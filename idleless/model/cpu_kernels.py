@@ -159,7 +159,7 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
         lib.amx_available.argtypes, lib.amx_available.restype = [], ctypes.c_int
-        # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn: bfloat16 only
+        # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
             for name, (argtypes, restype) in _BF16_ONLY.items():
