@@ -29,7 +29,7 @@ Model FLOPs ~ 2 x non-embedding parameters per token run + 2 x hidden x vocab pe
 (the lm_head runs only where a token is sampled); attention-score FLOPs are left out, so MFU is a
 slight under-estimate for long prompts. Weight bytes per decode step = (non-embedding parameters
 + the lm_head matrix) x bytes per parameter (the embedding lookup reads one row). The peaks
-default to this machine's figures (about 25 GB/s copy bandwidth, about 357 GFLOP/s bf16 matmul);
+default to this machine's figures (about 25 GB/s copy bandwidth, about 1,800 GFLOP/s bf16 matmul on AMX);
 pass others with the flags. Every phase records the 1-minute load average before and after it:
 on a shared machine the numbers are only as quiet as the load.
 """
@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_WORKLOAD = "../shared/workloads/shared_prefix.json"
 DEFAULT_PEAK_MEM_BW_GBS = 25.0  # GB/s (1e9 bytes/s), memory copy bandwidth of the bench machine
-DEFAULT_PEAK_GFLOPS = 357.0  # GFLOP/s, bf16 matmul peak of the bench machine
+DEFAULT_PEAK_GFLOPS = 1800.0  # GFLOP/s, bf16 matmul peak of the bench machine (AMX; probed 1,700-1,960)
 TOKENIZER_NOTE = ("prompts are the workload's recorded prompt_token_ids (tokenized by the HF tokenizer "
                   "built from the GGUF, slightly different from Idleless's), used as is by every system")
 
