@@ -503,6 +503,21 @@ def radix_disabled(engine: Engine):
         sched.cache = saved
 
 
+def test_readme_example_in_the_default_bfloat16(smollm2_dir):
+    """The README's example with the default settings (bfloat16, the fused kernels and, on AMX CPUs, the
+    AMX attention and linears) answers Paris, alone and in a batch. Its float32 top-2 margins are >= 1
+    logit over the first 10 tokens, so bf16 rounding cannot flip it; "What is the capital of France?"
+    is a 0.08-logit near-tie and did flip to "L'Etoile, ..." alone (found by a fresh-clone pass)."""
+    engine = Engine(model=smollm2_dir, kv_cache_memory="64MiB", num_threads=TEST_THREADS)
+    assert engine.core.runner.dtype == torch.bfloat16
+    msgs = [{"role": "user", "content": "Name the capital of France."}]
+    p = SamplingParams(temperature=0, max_new_tokens=16)
+    alone = engine.generate([msgs], p, use_tqdm=False)[0].text
+    batch = engine.generate([msgs] + [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS], p, use_tqdm=False)
+    assert "Paris" in alone, alone
+    assert "Paris" in batch[0].text, batch[0].text
+
+
 def test_smollm2_greedy_equals_transformers(smollm2_engine, smollm2_hf):
     """8 chat prompts batched, 32 tokens (or up to eos): transformers' greedy tokens; raw logprobs
     within 2e-4 of transformers' log-softmax (float32 both: measured <= 1.5e-5); the capital of
