@@ -676,7 +676,7 @@ int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
  * bfloat16 once, to nearest even, as oneDNN does. For a decode step's 120 SmolLM2 layers (64 rows,
  * weights streamed from memory) 15 ms against 21 ms in oneDNN here, whose per-call cost is higher. */
 #define AMX_LINEAR_PREFETCH 16384
-void amx_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
+void amx_linear_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
 #pragma omp parallel for if (n * k >= 64 * PAR_MIN_WORK)
     for (int64_t nb = 0; nb < n / 32; nb++)
         for (int64_t kc = 0; kc < k / 32; kc++)
@@ -723,7 +723,7 @@ static inline void amx_linear_block(const uint16_t *xa, int64_t lda, int64_t r0,
 }
 
 /* Returns 1 when done, 0 (nothing written) for m outside 1..64, n or k not multiples of 32, no AMX. */
-int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
+int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
                const uint16_t *bias, uint16_t *out, int64_t ldo) {
     if (m < 1 || m > 64 || n % 32 || k % 32 || !amx_available()) return 0;
     int64_t nblk = n / 32, kch = k / 32, mp = (m + 15) / 16 * 16, lda = ldx;
@@ -771,8 +771,8 @@ int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint1
 }
 #else
 int amx_available(void) { return 0; }
-void amx_linear_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {}
-int amx_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
+void amx_linear_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {}
+int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
                const uint16_t *bias, uint16_t *out, int64_t ldo) {
     return 0;
 }

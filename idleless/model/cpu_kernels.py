@@ -163,7 +163,7 @@ class CpuKernels:
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
             for name, (argtypes, restype) in _BF16_ONLY.items():
-                fn = getattr(lib, name if name.startswith("amx_") else f"{name}_bf16")
+                fn = getattr(lib, f"{name}_bf16")
                 fn.argtypes, fn.restype = argtypes, restype
                 setattr(self, f"_{name}", fn)
 
