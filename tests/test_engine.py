@@ -26,7 +26,7 @@ from hf_ref import check_greedy, hf_logits, load_hf
 
 from idleless.cache.radix_cache import NoPrefixCache
 from idleless.config import EngineConfig, available_memory_bytes, parse_memory
-from idleless.engine.core_process import EngineCore
+from idleless.engine.core import EngineCore
 from idleless.engine.engine import Engine
 from idleless.engine.request import Request, RequestError, SamplingParams
 

@@ -19,7 +19,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from hf_ref import check_greedy, hf_logits, load_hf
 
 from idleless.config import EngineConfig
-from idleless.engine.core_process import EngineCore
+from idleless.engine.core import EngineCore
 from idleless.engine.request import Request, SamplingParams
 from idleless.model import cpu_kernels
 from idleless.model.attention import DecodeGroup

@@ -20,7 +20,7 @@ from conftest import make_tiny_model
 from idleless.cache.kv_pool import KVPool
 from idleless.cache.radix_cache import RadixCache
 from idleless.config import EngineConfig
-from idleless.engine.core_process import EngineCore
+from idleless.engine.core import EngineCore
 from idleless.engine.policy import order_waiting
 from idleless.engine.request import FinishReason, Request, RequestError, SamplingParams
 

@@ -102,7 +102,8 @@ def test_engine_core_loop_buckets(tiny_model):
     import zmq
 
     from idleless.config import EngineConfig
-    from idleless.engine.core_process import AddRequest, ControlRequest, EngineCore, EngineCoreLoop
+    from idleless.engine.core import EngineCore
+    from idleless.engine.core_process import AddRequest, ControlRequest, EngineCoreLoop
 
     core = EngineCore(EngineConfig(model=tiny_model, dtype="float32", kv_cache_memory="32MiB", num_threads=1))
     ctx = zmq.Context()

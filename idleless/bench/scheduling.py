@@ -97,7 +97,7 @@ def make_core(config, **overrides):
     """A fresh EngineCore for ``config`` with ``overrides`` (EngineConfig fields); ``kv_tokens``
     sizes the KV pool in tokens instead of bytes."""
     from idleless.cache.kv_pool import KVPool
-    from idleless.engine.core_process import EngineCore
+    from idleless.engine.core import EngineCore
     from idleless.model.loader import load_model_config, prepare_model_dir
     from idleless.model.runner import resolve_dtype
 

@@ -18,8 +18,7 @@ from typing import Any, Optional
 
 from idleless.config import EngineConfig
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
-from idleless.engine.scheduler import Scheduler
-from idleless.model.runner import ModelRunner
+from idleless.engine.core import EngineCore  # noqa: F401 - the loop drives it
 
 log = logging.getLogger(__name__)
 
@@ -86,48 +85,6 @@ class CoreFailed:
 
     message: str
     traceback: str = ""
-
-
-class EngineCore:
-    """Loads the model (``ModelRunner``) and owns the ``Scheduler``.
-
-    eos ids come from the model's config (config.json / generation_config.json)."""
-
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self.runner, set(self.runner.model_config.eos_token_ids))
-
-    def add_request(self, req: Request) -> None:
-        """Queue a request; raises RequestError if it can never be served."""
-        self.scheduler.add_request(req)
-
-    def abort(self, rid: str) -> bool:
-        return self.scheduler.abort(rid)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def step(self) -> list[RequestOutput]:
-        return self.scheduler.step()
-
-    def control(self, kind: str, payload: dict | None = None) -> Any:
-        """Admin operations: ``flush_cache`` -> bool, ``stats`` -> dict."""
-        if kind == "flush_cache":
-            return self.scheduler.flush_cache()
-        if kind == "stats":
-            return self.stats()
-        raise ValueError(f"unknown control call {kind!r}")
-
-    def stats(self) -> dict:
-        s = self.scheduler.refresh_stats()
-        d = {k: getattr(s, k) for k in s.__dataclass_fields__}
-        d["cache_hit_rate"] = s.cache_hit_rate
-        d["kv"] = self.scheduler.kv_usage()
-        d["time"] = self.scheduler.clock.snapshot()
-        d["num_running"] = len(self.scheduler.running)
-        d["num_waiting"] = len(self.scheduler.waiting)
-        return d
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from idleless.config import EngineConfig
-from idleless.engine.core_process import EngineCore
+from idleless.engine.core import EngineCore
 from idleless.engine.request import Request, RequestError, RequestOutput, SamplingParams
 from idleless.text.output import CompletionDelta, CompletionOutput, RequestState
 from idleless.telemetry.timing import LoopReporter

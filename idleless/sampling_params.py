@@ -1,0 +1,96 @@
+"""Per-request sampling and stopping settings: a plain parameter record shared by the frontend,
+the engine core and the sampler (which must not depend on engine state)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from idleless.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping settings.
+
+    temperature: 0 means greedy (argmax). top_k <= 0 (or -1) disables top-k; top_p = 1 and
+    min_p = 0 disable nucleus and min-p truncation. Penalties follow OpenAI (frequency/presence,
+    over generated tokens, additive on logits) and HF (repetition, over prompt + generated tokens,
+    divides positive logits / multiplies negative ones; CTRL paper, arXiv 1909.05858).
+    max_new_tokens: None means "up to the context length". seed: a per-request torch.Generator
+    so that the same seed gives the same tokens whatever else is in the batch.
+    stop: stop strings (checked by the frontend on text); stop_token_ids: checked by the engine.
+    logprobs: return the sampled token's logprob; top_logprobs: also the k most likely tokens.
+    Logprobs are the model's raw log-softmax (before penalties/temperature/truncation).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below 1e-5 are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows."""
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise RequestError (with ``param``) on any out-of-range value; NaN is out of range."""
+
+        def bad(param: str, why: str):
+            raise RequestError(f"{param} {why}", param=param, code="invalid_value")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.top_k is None or (self.top_k < 1 and self.top_k not in (0, -1)):
+            bad("top_k", "must be -1 or 0 (disabled) or >= 1")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            bad("repetition_penalty", "must be in [0.01, 100]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be >= 1")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", "must be >= 0")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", "must be <= max_new_tokens")
+        if not 0 <= self.top_logprobs <= 20:
+            bad("top_logprobs", "must be in [0, 20]")
+        if self.n < 1:
+            bad("n", "must be >= 1")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
