@@ -1,7 +1,12 @@
-"""Sampling: penalties, temperature, top-k / top-p / min-p, seeded per-request generators, logprobs.
+"""Sampling: penalties, temperature, top-k / top-p / min-p, seeded per-row draws, logprobs.
 
-A pure function of the logits, each request's parameters, its token history and its own
-torch.Generator: the same seed gives the same tokens whatever else is in the batch.
+A pure function of the logits and, per row, the sampling parameters, the token history and a
+torch.Generator: it knows nothing of engine requests. All rows that sample (temperature > 0) go
+through one vectorised pass — penalties, temperature and truncation are batched tensor ops with
+per-row parameter tensors (the shape of vLLM v1's ``Sampler`` and SGLang's sampler) — and then one
+inverse-CDF draw that takes a single uniform number per row from that row's own generator, so the
+same seed gives the same tokens whatever else is in the batch.
+
 Returned logprobs are the model's raw log-softmax, taken before penalties, temperature and
 truncation (vLLM's default ``raw_logprobs``), so they do not change with sampling settings.
 """
@@ -9,11 +14,32 @@ truncation (vLLM's default ``raw_logprobs``), so they do not change with samplin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from idleless.engine.request import Request
+from idleless.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+# top-p first looks for the nucleus among this many most likely tokens (a top-k, far cheaper than
+# sorting the vocabulary); rows whose nucleus is larger fall back to a full sort.
+TOP_P_CANDIDATES = 1024
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row to sample: its parameters, its own generator, and its token history for penalties.
+
+    generator: the row's torch.Generator (any device); None draws from torch's default generator.
+    Rows may share a generator: they then draw from it in row order.
+    prompt_ids: for repetition_penalty. output_ids: generated so far, for repetition, frequency
+    and presence penalties and for min_new_tokens.
+    """
+
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
 
 
 @dataclass
@@ -26,84 +52,245 @@ class SampleOutput:
     top_logprobs: list[Optional[list[tuple[int, float]]]]
 
 
-def apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
-    """Penalise one logits row [V] in place. Repetition (HF / CTRL, arXiv 1909.05858) over prompt
-    and generated tokens: positive logits divided by the penalty, negative ones multiplied.
-    Frequency and presence (OpenAI API reference) over generated tokens: subtract
-    frequency_penalty * count and presence_penalty * (count > 0)."""
-    p = req.params
-    if p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(req.prompt_ids) | set(req.output_ids)), dtype=torch.int64)
-        if ids.numel():
-            vals = row[ids]
-            row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-        out = torch.tensor(req.output_ids, dtype=torch.int64)
-        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    return row
+def _index(ix: list[int], n: int, device) -> Optional[torch.Tensor]:
+    """Row indices as a tensor, or None when they are all n rows (no gather needed)."""
+    return None if len(ix) == n else torch.tensor(ix, dtype=torch.int64, device=device)
 
 
-def truncate(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (set to -inf) logits [V] outside top-k, the top-p nucleus (Holtzman et al.,
-    arXiv 1904.09751) and below min_p * max probability (arXiv 2407.01082). Input is already
-    divided by the temperature. Always keeps the most likely token."""
-    if top_k > 0 and top_k < row.numel():
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if min_p > 0:
-        probs = torch.softmax(row, -1)
-        row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, -1) >= top_p  # tokens after the nucleus is full
-        drop[0] = False
-        row = row.clone()
-        row[order[drop]] = float("-inf")
-    return row
+def _take(x: torch.Tensor, ix: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if ix is None else x.index_select(0, ix)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], eos_ids: set[int]) -> SampleOutput:
-    """Sample one token per row. logits: float32 [N, V] for reqs[i] (len N).
+def _put(x: torch.Tensor, ix: Optional[torch.Tensor], sub: torch.Tensor) -> torch.Tensor:
+    """x with rows ix replaced by sub (a new tensor; sub itself when ix covers every row)."""
+    return sub if ix is None else x.index_copy(0, ix, sub)
 
-    min_new_tokens masks eos and stop_token_ids until reached (unless ignore_eos skips only eos).
-    Requests with temperature 0 (or top_k 1) take the argmax."""
-    N = logits.shape[0]
-    want_lp = any(r.params.logprobs or r.params.top_logprobs for r in reqs)
-    raw_lp = torch.log_softmax(logits, -1) if want_lp else None
-    plain_greedy = all(
-        r.params.greedy and r.params.repetition_penalty == 1.0 and not r.params.frequency_penalty
-        and not r.params.presence_penalty and len(r.output_ids) >= r.params.min_new_tokens
-        for r in reqs)
-    if plain_greedy:
-        next_ids = logits.max(-1).indices.tolist()  # = argmax (first maximum), ~3x faster on CPU here
+
+def _column(values: Sequence[float], dtype: torch.dtype, device) -> torch.Tensor:
+    """Per-row parameters as a [R, 1] tensor that broadcasts over the vocabulary."""
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+def _token_index(seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) int64 index pairs, flat, for every token of every sequence (repeats kept)."""
+    toks = torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in seqs])
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
+    return rows.to(device), toks.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Penalise logits [R, V] (float32) in place, row r by rows[r]; returns logits.
+
+    Repetition (HF / CTRL, arXiv 1909.05858) over the prompt and generated tokens: a seen token's
+    positive logit is divided by the penalty, a negative one multiplied. Then frequency and presence
+    (OpenAI API reference) over generated tokens only: subtract frequency_penalty * count and
+    presence_penalty * (count > 0). Rows without penalties are untouched; the rest are penalised
+    together (a [rows, V] seen-mask / count tensor, no loop over the vocabulary).
+    """
+    V, dev = logits.shape[1], logits.device
+    rep = [j for j, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        r_ix, t_ix = _token_index([list(rows[j].prompt_ids) + list(rows[j].output_ids) for j in rep], dev)
+        seen = torch.zeros(len(rep), V, dtype=torch.bool, device=dev)
+        seen[r_ix, t_ix] = True
+        ix = torch.tensor(rep, device=dev)
+        sub = logits[ix]
+        pen = _column([rows[j].params.repetition_penalty for j in rep], logits.dtype, dev)
+        logits[ix] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+    fp = [j for j, r in enumerate(rows)
+          if (r.params.frequency_penalty or r.params.presence_penalty) and len(r.output_ids)]
+    if fp:
+        r_ix, t_ix = _token_index([rows[j].output_ids for j in fp], dev)
+        counts = torch.zeros(len(fp), V, dtype=logits.dtype, device=dev)
+        counts.index_put_((r_ix, t_ix), torch.ones(len(t_ix), dtype=logits.dtype, device=dev), accumulate=True)
+        freq = _column([rows[j].params.frequency_penalty for j in fp], logits.dtype, dev)
+        pres = _column([rows[j].params.presence_penalty for j in fp], logits.dtype, dev)
+        ix = torch.tensor(fp, device=dev)
+        logits[ix] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def ban_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int]) -> torch.Tensor:
+    """min_new_tokens: set to -inf, in place, the eos ids (unless ignore_eos) and stop_token_ids of
+    each row that has generated fewer than min_new_tokens tokens. logits [R, V]; returns logits.
+    Ids outside [0, V) cannot be sampled and are skipped."""
+    V = logits.shape[1]
+    r_ix: list[int] = []
+    t_ix: list[int] = []
+    for j, r in enumerate(rows):
+        p = r.params
+        if len(r.output_ids) < p.min_new_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            toks = [t for t in sorted(banned) if 0 <= t < V]
+            r_ix += [j] * len(toks)
+            t_ix += toks
+    if t_ix:
+        logits[torch.tensor(r_ix, device=logits.device), torch.tensor(t_ix, device=logits.device)] = NEG_INF
+    return logits
+
+
+def truncate(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
+             *, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Mask (set to -inf) logits [R, V] float32, already divided by the temperature; row r by
+    top_k[r], top_p[r], min_p[r]. Returns a new tensor; the input is not modified.
+
+    In order: top-k keeps the logits >= the k-th largest (ties kept; k <= 0 or >= V disables);
+    min-p (arXiv 2407.01082) drops probabilities below min_p * the largest (0 disables); top-p
+    (Holtzman et al., arXiv 1904.09751) keeps the smallest most-likely-first set whose probability,
+    renormalised over the survivors of the previous two, reaches top_p (1 disables). The most likely
+    token is always kept. Each step runs only on the rows that use it. top-p first seeks the nucleus
+    among the ``candidates`` most likely tokens (a top-k) and sorts the whole row only when the
+    nucleus is larger.
+    """
+    R, V = logits.shape
+    dev = logits.device
+    out = logits
+    k_rows = [j for j in range(R) if 0 < top_k[j] < V]
+    if k_rows:
+        ix = _index(k_rows, R, dev)
+        sub = _take(out, ix)
+        ks = [top_k[j] for j in k_rows]
+        kth = sub.topk(max(ks), -1).values.gather(1, _column([k - 1 for k in ks], torch.int64, dev))
+        out = _put(out, ix, sub.masked_fill(sub < kth, NEG_INF))
+    m_rows = [j for j in range(R) if min_p[j] > 0]
+    if m_rows:
+        ix = _index(m_rows, R, dev)
+        sub = _take(out, ix)
+        probs = torch.softmax(sub, -1)
+        floor = probs.amax(-1, keepdim=True) * _column([min_p[j] for j in m_rows], probs.dtype, dev)
+        out = _put(out, ix, sub.masked_fill(probs < floor, NEG_INF))
+    p_rows = [j for j in range(R) if top_p[j] < 1.0]
+    if p_rows:
+        ix = _index(p_rows, R, dev)
+        sub = _take(out, ix)
+        probs = torch.softmax(sub, -1)
+        tp = _column([top_p[j] for j in p_rows], probs.dtype, dev)
+        keep = _nucleus(probs, tp, min(candidates, V))
+        out = _put(out, ix, sub.masked_fill(~keep, NEG_INF))
+    return out
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask [R, V] of each row's top-p nucleus: the tokens, most likely first, whose preceding
+    cumulative probability is below top_p [R, 1] (so the first always stays). Searched among the k
+    most likely; rows whose k most likely do not reach top_p are sorted in full."""
+    V = probs.shape[1]
+    pv, pi = probs.topk(k, -1) if k < V else probs.sort(-1, descending=True)
+    cum = pv.cumsum(-1)
+    inside = (cum - pv) < top_p
+    inside[:, 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, pi, inside)
+    if k < V:
+        # A row whose k most likely tokens reach top_p has its nucleus among them; the others sort.
+        short = (cum[:, -1:] < top_p).squeeze(1).nonzero().squeeze(1)
+        if short.numel():
+            keep[short] = _nucleus(probs[short], top_p[short], V)
+    return keep
+
+
+def _uniforms(generators: Sequence[Optional[torch.Generator]], device) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row [R], from the row's generator (in row order, so rows
+    sharing a generator draw one after another) or, for None, torch's default generator."""
+    u = [float(torch.rand((), dtype=torch.float64, generator=g, device=g.device))
+         if g is not None else None for g in generators]
+    shared = [j for j, x in enumerate(u) if x is None]
+    if shared:
+        for j, x in zip(shared, torch.rand(len(shared), dtype=torch.float64).tolist()):
+            u[j] = x
+    return torch.tensor(u, dtype=torch.float64, device=device)
+
+
+def draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """One token per row of probs [R, V] (non-negative, rows need not sum to 1): int64 [R].
+
+    Inverse-CDF sampling: the first token whose cumulative probability (float64) exceeds u * total,
+    u uniform in [0, 1) from generators[r] — one random number per row, so a row's token depends
+    only on its probabilities and its generator's state, never on the other rows. Tokens of zero
+    probability are never drawn.
+    """
+    R, V = probs.shape
+    cdf = probs.to(torch.float64).cumsum(-1)
+    total = cdf[:, -1:]
+    u = _uniforms(generators, probs.device).unsqueeze(1) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: a token exists
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=V - 1)
+
+
+def _adjusted(r: SamplingRow) -> bool:
+    """Whether the row's logits change before its choice (penalties or a min_new_tokens ban)."""
+    p = r.params
+    return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+            or len(r.output_ids) < p.min_new_tokens)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int]) -> SampleOutput:
+    """Sample one token per row. logits: [N, V] (float32 or bfloat16, upcast to float32 here), row i
+    by rows[i] (len N); eos_ids: the model's end-of-sequence ids, banned by min_new_tokens.
+
+    Greedy rows (temperature < 1e-5 or top_k 1) take the argmax (the first maximum) of their
+    penalised logits; when every row is greedy with nothing to adjust that is one ``max`` over the
+    raw logits. The other rows are penalised, divided by their temperatures, truncated
+    (:func:`truncate`) and drawn (:func:`draw`) together. A row whose probabilities overflow (inf or
+    NaN after the temperature) takes the argmax instead. Raises ValueError if len(rows) != N.
+    """
+    N, V = logits.shape
+    if len(rows) != N:
+        raise ValueError(f"{len(rows)} sampling rows for {N} rows of logits")
+    dev = logits.device
+    plain = [r.params.greedy and not _adjusted(r) for r in rows]
+    if all(plain):
+        next_ids = logits.max(-1).indices  # = argmax (first maximum), ~3x faster on CPU
     else:
-        next_ids = []
-        for i, r in enumerate(reqs):
-            p = r.params
-            row = logits[i].clone()
-            row = apply_penalties(row, r)
-            if len(r.output_ids) < p.min_new_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-                if banned:
-                    row[torch.tensor(sorted(banned), dtype=torch.int64)] = float("-inf")
-            if p.greedy:
-                next_ids.append(int(row.argmax()))
-                continue
-            row = truncate(row / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = torch.softmax(row, -1)
-            if not bool(torch.isfinite(probs).all()):  # overflow from extreme settings: fall back to argmax
-                next_ids.append(int(row.nan_to_num(nan=float("-inf")).argmax()))
-                continue
-            next_ids.append(int(torch.multinomial(probs, 1, generator=r.generator)))
-    logprobs: list[Optional[float]] = [None] * N
-    tops: list[Optional[list[tuple[int, float]]]] = [None] * N
-    if want_lp:
-        for i, r in enumerate(reqs):
-            if r.params.logprobs or r.params.top_logprobs:
-                logprobs[i] = float(raw_lp[i, next_ids[i]])
-            if r.params.top_logprobs:
-                v, ix = torch.topk(raw_lp[i], r.params.top_logprobs)
-                tops[i] = list(zip(ix.tolist(), v.tolist()))
-    return SampleOutput(next_ids, logprobs, tops)
+        next_ids = torch.empty(N, dtype=torch.int64, device=dev)
+        plain_ix = torch.tensor([i for i in range(N) if plain[i]], dtype=torch.int64, device=dev)
+        if plain_ix.numel():
+            next_ids[plain_ix] = logits[plain_ix].max(-1).indices
+        work_ix = torch.tensor([i for i in range(N) if not plain[i]], dtype=torch.int64, device=dev)
+        work = [r for r, pl in zip(rows, plain) if not pl]
+        x = logits[work_ix].to(torch.float32)  # a copy: penalties and bans write into it
+        apply_penalties(x, work)
+        ban_stop_tokens(x, work, eos_ids)
+        greedy = [j for j, r in enumerate(work) if r.params.greedy]
+        sampled = [j for j, r in enumerate(work) if not r.params.greedy]
+        ids = torch.empty(len(work), dtype=torch.int64, device=dev)
+        if greedy:
+            g_ix = torch.tensor(greedy, device=dev)
+            ids[g_ix] = x[g_ix].argmax(-1)
+        if sampled:
+            s_ix = _index(sampled, len(work), dev)
+            params = [work[j].params for j in sampled]
+            s = _take(x, s_ix) / _column([p.temperature for p in params], torch.float32, dev)
+            t = truncate(s, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
+            probs = torch.softmax(t, -1)
+            tok = draw(probs, [work[j].generator for j in sampled])
+            bad = ~torch.isfinite(probs).all(-1)
+            if bool(bad.any()):  # overflow from extreme settings: fall back to the argmax
+                tok = torch.where(bad, s.nan_to_num(nan=NEG_INF).argmax(-1), tok)
+            if s_ix is None:
+                ids = tok
+            else:
+                ids[s_ix] = tok
+        next_ids[work_ix] = ids
+    out = SampleOutput(next_ids.tolist(), [None] * N, [None] * N)
+    _fill_logprobs(out, logits, rows)
+    return out
+
+
+def _fill_logprobs(out: SampleOutput, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Raw float32 log-softmax of logits [N, V] for the rows that asked: the chosen token's, and
+    the top_logprobs most likely (token, logprob) pairs, most likely first."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs or r.params.top_logprobs]
+    if not want:
+        return
+    w = torch.tensor(want, dtype=torch.int64, device=logits.device)
+    lp = torch.log_softmax(logits[w].to(torch.float32), -1)
+    chosen = torch.tensor([out.next_ids[i] for i in want], dtype=torch.int64, device=logits.device)
+    for i, v in zip(want, lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()):
+        out.logprobs[i] = v
+    k_max = min(max(rows[i].params.top_logprobs for i in want), lp.shape[1])
+    if k_max:
+        values, ids = (t.tolist() for t in lp.topk(k_max, -1))
+        for j, i in enumerate(want):
+            k = rows[i].params.top_logprobs
+            if k:
+                out.top_logprobs[i] = list(zip(ids[j][:k], values[j][:k]))
