@@ -18,7 +18,7 @@ class SamplingParams:
     min_p = 0 disable nucleus and min-p truncation. Penalties follow OpenAI (frequency/presence,
     over generated tokens, additive on logits) and HF (repetition, over prompt + generated tokens,
     divides positive logits / multiplies negative ones; CTRL paper, arXiv 1909.05858).
-    max_new_tokens: None means "up to the context length". seed: a per-request torch.Generator
+    max_new_tokens: None means "up to the context length"; 0 prefills the prompt (its KV computed and cached) and generates nothing. seed: a per-request torch.Generator
     so that the same seed gives the same tokens whatever else is in the batch.
     stop: stop strings (checked by the frontend on text); stop_token_ids: checked by the engine.
     logprobs: return the sampled token's logprob; top_logprobs: also the k most likely tokens.
@@ -80,8 +80,8 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be >= 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be >= 0")
         if self.min_new_tokens < 0:
             bad("min_new_tokens", "must be >= 0")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:

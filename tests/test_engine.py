@@ -25,6 +25,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from hf_ref import check_greedy, hf_logits, load_hf
 
 from idleless.cache.radix_cache import NoPrefixCache
+from kv_invariants import check_ownership, tree_nodes
 from idleless.config import EngineConfig, available_memory_bytes, parse_memory
 from idleless.engine.core import EngineCore
 from idleless.engine.engine import Engine
@@ -44,55 +45,6 @@ def lcp(a, b) -> int:
             break
         n += 1
     return n
-
-
-def _tree_nodes(cache):
-    stack = list(cache.root.children.values())
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
-
-
-def check_ownership(sched) -> None:
-    """Every KV page is owned by exactly one of: the free list, the radix tree, one running
-    request (the part of its slot table after ``num_tree_tokens``). A running request's tree part
-    is exactly the slots on its locked path. kv_usage() agrees: free + cached + in_use == total."""
-    pool, cache = sched.pool, sched.cache
-    ps = pool.page_size
-    owners: dict[int, str] = {}
-
-    def own(pages, who):
-        for p in pages:
-            assert p not in owners, f"page {p} owned by {owners[p]} and {who}"
-            owners[p] = who
-
-    own(pool._free_pages[: pool._num_free_pages].tolist(), "free")
-    tree_tokens = 0
-    for node in _tree_nodes(cache):
-        v = node.value
-        assert len(v) % ps == 0
-        tree_tokens += len(v)
-        if ps > 1:
-            assert torch.equal(v.view(-1, ps) - v.view(-1, ps)[:, :1], torch.arange(ps).expand(len(v) // ps, ps))
-        own((v[::ps] // ps).tolist(), "tree")
-    assert tree_tokens == cache.total_size
-    for r in sched.running:
-        assert r.slots is not None
-        mine = r.slots[r.num_tree_tokens:]
-        own(torch.unique(mine // ps).tolist(), f"request {r.rid}")
-        path, node = [], r.last_node
-        while node is not None and node is not cache.root:
-            path.insert(0, node.value)
-            node = node.parent
-        path_slots = torch.cat(path) if path else torch.empty(0, dtype=torch.int64)
-        assert torch.equal(r.slots[: r.num_tree_tokens], path_slots), f"request {r.rid}: table != tree path"
-    for r in sched.waiting:
-        assert r.slots is None and r.last_node is None, f"waiting request {r.rid} holds KV"
-    assert sorted(owners) == list(range(pool.num_pages)), "a page has no owner (leaked)"
-    kv = sched.kv_usage()
-    assert kv["free"] + kv["cached"] + kv["in_use"] == kv["total"] == pool.num_slots, kv
-    assert kv["cached"] == cache.total_size
 
 
 def assert_idle_and_flush(sched) -> None:
@@ -494,13 +446,13 @@ def radix_disabled(engine: Engine):
     NoPrefixCache), restoring the radix cache afterwards."""
     sched = engine.core.scheduler
     assert engine.flush_cache()
-    saved = sched.cache
-    sched.cache = NoPrefixCache(sched.pool, sched.config.page_size)
+    saved = sched.kv.cache
+    sched.kv.cache = NoPrefixCache(sched.pool, sched.config.page_size)
     try:
         yield
     finally:
         engine_idle_accounting(engine)
-        sched.cache = saved
+        sched.kv.cache = saved
 
 
 def test_readme_example_in_the_default_bfloat16(smollm2_dir):

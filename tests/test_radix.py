@@ -1,4 +1,6 @@
-"""Radix prefix cache (idleless/cache/radix_cache.py) against a brute-force model.
+"""The prefix caches (idleless/cache/) against a brute-force model: one conformance suite run
+against both implementations of ``PrefixCache`` (the radix tree, and NoPrefixCache, whose model
+stays empty).
 
 The model of the tree is a dict ``{page-aligned token prefix (tuple): KV slots of its last page}``
 holding every cached prefix (with page_size 1: every prefix -> the slot of its last token); the tree
@@ -12,8 +14,6 @@ slot is either free or in the tree, never both, since no request holds slots bet
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -22,6 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from idleless.cache.kv_pool import KVPool
 from idleless.cache.radix_cache import NoPrefixCache, RadixCache
+from idleless.engine.kv_manager import RequestKV
+from idleless.engine.request import RequestRecord, SamplingParams
 
 NUM_SLOTS = 48  # small, so that inserts run the pool dry and force eviction
 
@@ -45,9 +47,11 @@ def _free_slots(pool: KVPool) -> list[int]:
     return [p * ps + i for p in pages for i in range(ps)]
 
 
-def _nodes(cache: RadixCache):
-    """(node, path tokens from the root to the end of node) for every non-root node."""
-    stack = [(c, tuple(c.key)) for c in cache.root.children.values()]
+def _nodes(cache):
+    """(node, path tokens from the root to the end of node) for every non-root node (none for a
+    cache without a tree)."""
+    root = getattr(cache, "root", None)
+    stack = [(c, tuple(c.key)) for c in root.children.values()] if root is not None else []
     while stack:
         node, path = stack.pop()
         yield node, path
@@ -90,13 +94,18 @@ def model_insert(model: dict[tuple, tuple], seq, slots: list[int], start: int, p
 class RadixMachine(RuleBasedStateMachine):
     page_size = 1
     policy = "lru"
+    cache_cls = RadixCache
 
     def __init__(self):
         super().__init__()
         self.pool = _pool(self.page_size)
-        self.cache = RadixCache(self.pool, self.page_size, self.policy)
+        if self.cache_cls is RadixCache:
+            self.cache = RadixCache(self.pool, self.page_size, self.policy)
+        else:
+            self.cache = self.cache_cls(self.pool, self.page_size)
+        self.keeps = self.cache.keeps_prefixes
         self.model: dict[tuple, tuple] = {}
-        self.locks: list[tuple[object, tuple]] = []  # (node, the prefix it covers)
+        self.locks: list[tuple[object, tuple]] = []  # (handle, the prefix it covers)
         self.pins: dict[str, tuple[tuple, float, int]] = {}  # pin id -> (prefix, expiry, tokens)
         self.clock = 1000.0
 
@@ -140,13 +149,15 @@ class RadixMachine(RuleBasedStateMachine):
     def match(self, seq):
         expected = model_match(self.model, seq, self.page_size)
         assert self.cache.peek_prefix_len(seq) == len(expected)
-        slots, node = self.cache.match_prefix(list(seq))
-        assert slots.dtype == torch.int64
-        assert slots.tolist() == expected
+        handle = self.cache.match_prefix(list(seq))
+        assert handle.slots.dtype == torch.int64
+        assert handle.slots.tolist() == expected and handle.cached_len == len(expected)
+        if not self.keeps:
+            return
         # the node returned covers exactly the matched prefix (a partial match was split)
         path = []
-        n = node
-        while n is not self.cache.root:
+        n = handle.node  # None for an empty match
+        while n is not None and n is not self.cache.root:
             path = list(n.key) + path
             n = n.parent
         assert path == list(seq[: len(expected)])
@@ -161,55 +172,59 @@ class RadixMachine(RuleBasedStateMachine):
         if slots is None:
             return
         expected_cached = len(model_match(self.model, seq, self.page_size))
-        cached = self.cache.insert(list(seq), slots)
+        cached, handle = self.cache.insert(list(seq), slots)
         assert cached == expected_cached
-        na = self._aligned(n)
-        model_insert(self.model, seq, slots.tolist(), cached, self.page_size)
+        kept = handle.cached_len  # the cache owns slots[cached:kept] now
+        assert kept == (self._aligned(n) if self.keeps else 0)
+        if self.keeps:
+            model_insert(self.model, seq, slots.tolist(), cached, self.page_size)
+        assert handle.slots.tolist() == model_match(self.model, seq, self.page_size)
         self.pool.free(slots[:cached])  # duplicates stay the caller's
-        self.pool.free(slots[na:])  # the partial tail page is never inserted
+        self.pool.free(slots[max(kept, cached):])  # the partial tail page (or all of it) is never kept
 
     @rule(seq=tokens, keep_lock=st.booleans())
     def insert_after_match(self, seq, keep_lock):
         """The scheduler's path: match, lock, compute the rest, insert, unlock (or, like a running
         request, move the lock to the node of the whole inserted sequence and keep it)."""
-        matched, node = self.cache.match_prefix(list(seq))
+        handle = self.cache.match_prefix(list(seq))
+        matched = handle.slots
         m = len(matched)
         assert matched.tolist() == model_match(self.model, seq, self.page_size)
-        self.cache.inc_lock_ref(node)
-        self.locks.append((node, tuple(seq[:m])))
+        self.cache.lock(handle)
+        self.locks.append((handle, tuple(seq[:m])))
         rest = self._alloc(m, int(matched[-1]) if m else 0, len(seq) - m)
         self.locks.pop()
         if rest is None:
-            self.cache.dec_lock_ref(node)
+            self.cache.unlock(handle)
             return
         assert tree_content(self.cache).keys() >= set(page_keys(seq, self.page_size, m))
         full = torch.cat([matched, rest])
-        cached = self.cache.insert(list(seq), full)
+        cached, new = self.cache.insert(list(seq), full)
         assert cached == m
-        na = self._aligned(len(seq))
-        model_insert(self.model, seq, full.tolist(), m, self.page_size)
-        self.pool.free(full[na:])
+        kept = new.cached_len
+        if self.keeps:
+            model_insert(self.model, seq, full.tolist(), m, self.page_size)
+        assert new.slots.tolist() == full[:kept].tolist()
+        self.pool.free(full[max(kept, m):])
         if keep_lock:
-            slots, new_node = self.cache.match_prefix(list(seq))
-            assert slots.tolist() == full[:na].tolist()
-            self.cache.inc_lock_ref(new_node)
-            self.locks.append((new_node, tuple(seq[:na])))
-        self.cache.dec_lock_ref(node)
+            self.cache.lock(new)
+            self.locks.append((new, tuple(seq[:kept])))
+        self.cache.unlock(handle)
 
     @rule(seq=tokens)
     def lock(self, seq):
-        slots, node = self.cache.match_prefix(list(seq))
-        if len(slots) == 0:
+        handle = self.cache.match_prefix(list(seq))
+        if handle.cached_len == 0:
             return
-        self.cache.inc_lock_ref(node)
-        self.locks.append((node, tuple(seq[: len(slots)])))
+        self.cache.lock(handle)
+        self.locks.append((handle, tuple(seq[: handle.cached_len])))
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
     def unlock(self, data):
         i = data.draw(st.integers(0, len(self.locks) - 1))
-        node, _ = self.locks.pop(i)
-        self.cache.dec_lock_ref(node)
+        handle, _ = self.locks.pop(i)
+        self.cache.unlock(handle)
 
     @rule(n=st.integers(0, NUM_SLOTS + 8))
     def evict(self, n):
@@ -224,7 +239,7 @@ class RadixMachine(RuleBasedStateMachine):
         try:
             got = self.cache.pin(pin_id, list(seq), ttl, now=self.clock)
         except ValueError:
-            assert not (cached == n and budget_ok)
+            assert not (self.keeps and cached == n and budget_ok)
             # a failed re-pin keeps the old pin
             assert (pin_id in self.cache.pins) == (pin_id in self.pins)
             return
@@ -301,6 +316,15 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.pool.num_free_slots + self.cache.total_size == self.pool.num_slots
 
 
+class NoCacheMachine(RadixMachine):
+    cache_cls = NoPrefixCache
+
+
+class NoCacheMachinePage4(RadixMachine):
+    cache_cls = NoPrefixCache
+    page_size = 4
+
+
 class RadixMachinePage4(RadixMachine):
     page_size = 4
 
@@ -320,9 +344,12 @@ TestRadixLRUPage1 = RadixMachine.TestCase
 TestRadixLRUPage4 = RadixMachinePage4.TestCase
 TestRadixGDSFPage1 = RadixMachineGDSF.TestCase
 TestRadixGDSFPage4 = RadixMachineGDSFPage4.TestCase
-for _t in (TestRadixLRUPage1, TestRadixLRUPage4, TestRadixGDSFPage1, TestRadixGDSFPage4):
+TestNoPrefixCachePage1 = NoCacheMachine.TestCase
+TestNoPrefixCachePage4 = NoCacheMachinePage4.TestCase
+for _t in (TestRadixLRUPage1, TestRadixLRUPage4, TestRadixGDSFPage1, TestRadixGDSFPage4, TestNoPrefixCachePage1,
+           TestNoPrefixCachePage4):
     _t.settings = _settings
-del _t  # or pytest collects the loop variable as a fifth test class
+del _t  # or pytest collects the loop variable as one more test class
 
 
 # ---------------------------------------------------------------------------- worked examples
@@ -332,14 +359,15 @@ def test_split_on_partial_match():
     pool = _pool(1)
     cache = RadixCache(pool)
     a = pool.alloc(0, 0, 5)
-    assert cache.insert([1, 2, 3, 4, 5], a) == 0
+    assert cache.insert([1, 2, 3, 4, 5], a).prefix_len == 0
     b = pool.alloc(0, 0, 5)
-    assert cache.insert([1, 2, 3, 9, 9], b) == 3  # b[:3] are duplicates, still the caller's
+    assert cache.insert([1, 2, 3, 9, 9], b).prefix_len == 3  # b[:3] are duplicates, still the caller's
     pool.free(b[:3])
     (mid,) = cache.root.children.values()
     assert mid.key == [1, 2, 3] and mid.value.tolist() == a[:3].tolist()
     assert sorted(c.key for c in mid.children.values()) == [[4, 5], [9, 9]]
-    slots, node = cache.match_prefix([1, 2, 3, 9, 7])
+    handle = cache.match_prefix([1, 2, 3, 9, 7])
+    slots, node = handle.slots, handle.node
     assert slots.tolist() == a[:3].tolist() + b[3:4].tolist()
     assert node.key == [9] and node.parent is mid  # the [9, 9] leaf was split at the match
     assert cache.total_size == 7 and pool.num_free_slots == NUM_SLOTS - 7
@@ -350,13 +378,13 @@ def test_page_size_4_matches_and_inserts_whole_pages():
     cache = RadixCache(pool, page_size=4)
     slots = pool.alloc(0, 0, 10)
     assert slots[:8].tolist() == sorted(slots[:8].tolist())
-    assert cache.insert(list(range(10)), slots) == 0
+    assert cache.insert(list(range(10)), slots).prefix_len == 0
     pool.free(slots[8:])
     assert cache.total_size == 8
-    assert cache.match_prefix(list(range(7)))[0].tolist() == slots[:4].tolist()
-    assert cache.match_prefix(list(range(12)))[0].tolist() == slots[:8].tolist()
-    assert cache.match_prefix([0, 1, 2, 9, 9, 9, 9, 9])[0].numel() == 0  # mismatch inside page 0
-    assert cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 9])[0].tolist() == slots[:4].tolist()
+    assert cache.match_prefix(list(range(7))).slots.tolist() == slots[:4].tolist()
+    assert cache.match_prefix(list(range(12))).slots.tolist() == slots[:8].tolist()
+    assert cache.match_prefix([0, 1, 2, 9, 9, 9, 9, 9]).slots.numel() == 0  # mismatch inside page 0
+    assert cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 9]).slots.tolist() == slots[:4].tolist()
     assert pool.num_free_slots + cache.total_size == pool.num_slots
 
 
@@ -366,59 +394,74 @@ def test_lru_eviction_order_and_locks():
     seqs = [[0, 1, 1], [0, 2, 2], [0, 3, 3]]
     for s in seqs:
         slots = pool.alloc(0, 0, 3)
-        pool.free(slots[: cache.insert(s, slots)])  # the duplicate of [0]
+        pool.free(slots[: cache.insert(s, slots).prefix_len])  # the duplicate of [0]
     pool_free = pool.num_free_slots
     cache.match_prefix([0, 1, 1])  # touch the first: the second is now least recently used
-    _, node = cache.match_prefix([0, 3, 3])
-    cache.inc_lock_ref(node)  # and the third is locked
+    handle = cache.match_prefix([0, 3, 3])
+    cache.lock(handle)  # and the third is locked
     assert cache.evict(1) == 2  # one leaf of 2 tokens: [2, 2]
     assert cache.peek_prefix_len([0, 2, 2]) == 1 and cache.peek_prefix_len([0, 1, 1]) == 3
     assert cache.evict(100) == 2  # only [1, 1] can go; [0] is an ancestor of the locked leaf
     assert cache.peek_prefix_len([0, 3, 3]) == 3
     assert cache.evictable_size == 0 and cache.protected_size == 3
-    cache.dec_lock_ref(node)
+    cache.unlock(handle)
     assert cache.evict(100) == 3
     assert pool.num_free_slots == pool_free + 7 == pool.num_slots
 
 
-def _req(ids, num_computed, slots):
-    return types.SimpleNamespace(all_ids=list(ids), num_computed=num_computed, slots=slots, last_node=None,
-                                 num_tree_tokens=0)
+def _rec(ids, num_computed, pool, n):
+    rec = RequestRecord("r", list(ids), SamplingParams(), 0, 0.0, 1)
+    rec.slots, rec.num_computed = torch.empty(0, dtype=torch.int64), num_computed
+    rec.slots = pool.alloc(0, 0, n)
+    return rec
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_request_glue_moves_slots_into_tree(page_size):
-    """cache_unfinished_req / cache_finished_req: two requests that computed the same prompt
-    independently end with one copy in the tree and nothing leaked."""
+def test_request_kv_moves_slots_into_the_cache(page_size):
+    """RequestKV.cache_computed / release: two requests that computed the same prompt independently
+    end with one copy in the tree and nothing leaked."""
     pool = _pool(page_size)
-    cache = RadixCache(pool, page_size)
+    kv = RequestKV(pool, RadixCache(pool, page_size))
+    cache = kv.cache
     ids = list(range(10))
-    r1 = _req(ids, 10, pool.alloc(0, 0, 10))
-    r2 = _req(ids + [7], 10, pool.alloc(0, 0, 10))
-    cache.cache_unfinished_req(r1)
+    r1 = _rec(ids, 10, pool, 10)
+    r2 = _rec(ids + [7], 10, pool, 10)
+    kv.cache_computed(r1)
     n = 10 - 10 % page_size
     assert r1.num_tree_tokens == n and cache.protected_size == n
-    cache.cache_unfinished_req(r2)  # its copy of the shared prefix is freed, its table rewritten
+    kv.cache_computed(r2)  # its copy of the shared prefix is freed, its table rewritten
     assert r2.slots[:n].tolist() == r1.slots[:n].tolist()
     assert cache.total_size == n
-    own = sum(len(r.slots) - r.num_tree_tokens for r in (r1, r2))
-    if page_size > 1:
-        own = sum(-(-(len(r.slots) - r.num_tree_tokens) // page_size) * page_size for r in (r1, r2))
+    own = sum(kv.own_tokens(r) for r in (r1, r2))
     assert pool.num_free_slots + cache.total_size + own == pool.num_slots
     for r in (r1, r2):
-        cache.cache_finished_req(r)
-        assert r.slots is None and r.last_node is None
+        kv.release(r)
+        assert r.slots is None and r.cache_handle is None
     assert cache.protected_size == 0
     assert pool.num_free_slots + cache.total_size == pool.num_slots
     cache.reset()
     assert pool.num_free_slots == pool.num_slots
 
 
-def test_no_prefix_cache_keeps_nothing():
+def test_request_kv_over_no_prefix_cache_keeps_nothing():
     pool = _pool(1)
-    cache = NoPrefixCache(pool)
-    r = _req(range(6), 6, pool.alloc(0, 0, 6))
-    cache.cache_unfinished_req(r)
-    assert cache.match_prefix(list(range(6)))[0].numel() == 0
-    cache.cache_finished_req(r)
-    assert pool.num_free_slots == pool.num_slots and cache.total_size == 0
+    kv = RequestKV(pool, NoPrefixCache(pool))
+    r = _rec(range(6), 6, pool, 6)
+    kv.cache_computed(r)
+    assert kv.cache.match_prefix(list(range(6))).cached_len == 0 and r.num_tree_tokens == 0
+    kv.release(r)
+    assert pool.num_free_slots == pool.num_slots and kv.cache.total_size == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_request_kv_truncate_frees_whole_pages_past_the_kept_tokens(page_size):
+    pool = _pool(page_size)
+    kv = RequestKV(pool, RadixCache(pool, page_size))
+    r = _rec(range(13), 5, pool, 5)
+    assert kv.grow(r, 8) is not None and len(r.slots) == 13
+    kv.truncate(r, 6)
+    assert len(r.slots) == 6
+    assert pool.num_free_slots == pool.num_slots - -(-6 // page_size) * page_size
+    assert kv.grow(r, 3) is not None  # refills the kept page first
+    kv.release(r)
+    assert pool.num_free_slots + kv.cache.total_size == pool.num_slots

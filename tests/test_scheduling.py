@@ -22,7 +22,8 @@ from idleless.cache.radix_cache import RadixCache
 from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
 from idleless.engine.policy import order_waiting
-from idleless.engine.request import FinishReason, Request, RequestError, SamplingParams
+import kv_invariants
+from idleless.engine.request import FinishReason, Request, RequestError, RequestRecord, SamplingParams
 
 VOCAB = 256  # the tiny model's vocabulary
 # tiny model KV bytes per token: 2 (K, V) * 2 layers * 2 KV heads * head_dim 16 * 4 bytes (float32)
@@ -55,40 +56,13 @@ def greedy(max_new: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
 
 
-def req(rid: str, ids: list[int], arrival: float = 0.0, priority: int = 0, max_new: int = 4) -> Request:
-    r = Request(rid, list(ids), greedy(max_new), priority=priority)
-    r.arrival_time = arrival
-    return r
+def req(rid: str, ids: list[int], arrival: float = 0.0, priority: int = 0, max_new: int = 4) -> RequestRecord:
+    """A waiting request as the scheduler holds it (what order_waiting sorts)."""
+    return RequestRecord(rid, list(ids), greedy(max_new), priority, arrival, max_new)
 
 
 def check_ownership(core: EngineCore) -> None:
-    """Every KV page is owned by exactly one of: free list, radix tree, a running request's own part;
-    and kv_usage() adds up (free + cached + in_use == total)."""
-    sched = core.scheduler
-    pool = sched.pool
-    ps = pool.page_size
-    u = sched.kv_usage()
-    assert u["free"] + u["cached"] + u["in_use"] == u["total"], u
-    owned = [pool._free_pages[: pool._num_free_pages]]
-    stack = list(sched.cache.root.children.values())
-    tree_tokens = 0
-    while stack:
-        n = stack.pop()
-        assert len(n.key) % ps == 0 and len(n.value) == len(n.key)
-        tree_tokens += len(n.key)
-        owned.append(torch.unique(n.value // ps))
-        stack.extend(n.children.values())
-    assert tree_tokens == sched.cache.total_size
-    for r in sched.running:
-        assert r.slots is not None and r.num_tree_tokens % ps == 0
-        assert len(r.slots) >= r.num_computed
-        own = r.slots[r.num_tree_tokens:]
-        if own.numel():
-            owned.append(torch.unique(own // ps))
-    for r in sched.waiting:
-        assert r.slots is None and r.last_node is None
-    pages = torch.sort(torch.cat(owned)).values
-    assert torch.equal(pages, torch.arange(pool.num_pages)), "a KV page is owned twice or leaked"
+    kv_invariants.check_ownership(core.scheduler)
 
 
 def drive(core: EngineCore, max_steps: int = 10_000, on_step=None):
@@ -130,7 +104,7 @@ def small_cache(slots: int = 1024, page_size: int = 1, **kw) -> RadixCache:
 
 def cache_insert(cache: RadixCache, ids: list[int]) -> None:
     slots = cache.pool.alloc(0, 0, len(ids))
-    dup = cache.insert(ids, slots)
+    dup = cache.insert(ids, slots).prefix_len
     cache.pool.free(slots[:dup])
 
 

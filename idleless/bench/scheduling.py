@@ -403,7 +403,7 @@ def run_eviction(config, hot: list[int], stream: list[list[int]], policy: str, p
     _warmup(core)
     if pin:
         done: dict = {}
-        core.scheduler.pin_prefix("hot", hot, 3600.0, lambda n, err: done.update(n=n, err=err))
+        core.pin_prefix("hot", hot, 3600.0, lambda n, err: done.update(n=n, err=err))
         while core.has_work():
             core.step()
         if done.get("err"):

@@ -1,15 +1,14 @@
 """Radix-tree prefix KV cache (RadixAttention, SGLang paper, arXiv 2312.07104).
 
-Nodes hold a span of token ids and the KV slot indices of those tokens. Requests use the tree through
-one small handle-style interface: ``match_prefix`` -> ``inc_lock_ref`` -> (compute) -> ``insert`` ->
-``dec_lock_ref``; ``evict`` frees unlocked leaves by policy: ``lru`` (least recently used first) or
+Nodes hold a span of token ids and the KV slot indices of those tokens. The tree implements the
+``PrefixCache`` interface (``cache/base.py``): ``match_prefix`` -> ``lock`` -> (compute) -> ``insert`` ->
+``unlock``; ``evict`` frees unlocked leaves by policy: ``lru`` (least recently used first) or
 ``gdsf`` (value-aware: Greedy-Dual-Size-Frequency, Cherkasova 1998, HP Labs HPL-98-69R1: a node's
 value is L + hits * cost / size, where cost / size is the recompute cost per token, growing with the
 node's position because attention over a longer prefix costs more, and L is the value of the last
 evicted node, which ages everything else). ``pin`` keeps a prefix (a system prompt, a RAG
-document) from eviction until its TTL runs out, within a capped pinned budget. ``cache_unfinished_req`` and
-``cache_finished_req`` do that dance for a running request. With ``page_size > 1`` only whole pages
-are matched and inserted.
+document) from eviction until its TTL runs out, within a capped pinned budget. With ``page_size > 1``
+only whole pages are matched and inserted. ``NoPrefixCache`` is the sibling that keeps nothing.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from typing import Optional
 
 import torch
 
+from idleless.cache.base import EMPTY_HANDLE, EMPTY_SLOTS as _EMPTY, CacheHandle, InsertResult, PrefixCache
 from idleless.cache.kv_pool import KVPool
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
@@ -49,8 +47,8 @@ class TreeNode:
         return self.id < other.id
 
 
-class RadixCache:
-    """The prefix cache over a KVPool. Sizes are in tokens.
+class RadixCache(PrefixCache):
+    """The radix-tree prefix cache over a KVPool. Sizes are in tokens.
 
     Invariant: every slot in a node's value is owned by the tree (not free, not a request's own).
     ``evictable_size`` counts tokens in nodes with lock_ref == 0, ``protected_size`` the rest.
@@ -60,6 +58,7 @@ class RadixCache:
     # position (tokens) at which a token's attention cost equals its linear-layer cost, roughly,
     # for small Llama models; scales the GDSF recompute cost with depth
     GDSF_POSITION_SCALE = 3000.0
+    keeps_prefixes = True
 
     def __init__(self, pool: KVPool, page_size: int = 1, eviction_policy: str = "lru",
                  max_pinned_tokens: Optional[int] = None):
@@ -88,11 +87,7 @@ class RadixCache:
         self.protected_size = 0
         self.num_evicted = 0
         self.inflation = 0.0  # GDSF's L
-        self.pins: dict[str, tuple[TreeNode, float, int]] = {}  # pin id -> (node, expiry, tokens)
-
-    @property
-    def total_size(self) -> int:
-        return self.evictable_size + self.protected_size
+        self.pins: dict[str, tuple[CacheHandle, float, int]] = {}  # pin id -> (handle, expiry, tokens)
 
     def _child_key(self, key: list[int]) -> tuple:
         return tuple(key[: self.page_size])
@@ -127,11 +122,10 @@ class RadixCache:
         mid = node.start + len(node.key) / 2
         node.value_score = self.inflation + (node.hit_count + 1) * (1.0 + mid / self.GDSF_POSITION_SCALE)
 
-    def match_prefix(self, key: list[int], hit: bool = True) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of ``key`` (page-aligned): (slots int64 [m], last node).
-
-        The node returned covers exactly the matched prefix (a partially matched node is split).
-        ``hit`` counts the match as a use of the prefix (for value-aware eviction)."""
+    def match_prefix(self, key: list[int], hit: bool = True) -> CacheHandle:
+        """Longest cached prefix of ``key`` (page-aligned) as a handle: slots int64 [m] and the node
+        that covers exactly the matched prefix (a partially matched node is split). ``hit`` counts
+        the match as a use of the prefix (for value-aware eviction)."""
         now = time.monotonic()
         node = self.root
         parts = []
@@ -149,8 +143,10 @@ class RadixCache:
             parts.append(child.value)
             node = child
             key = key[k:]
-        slots = torch.cat(parts) if parts else _EMPTY
-        return slots, node
+        if not parts:
+            return EMPTY_HANDLE
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return CacheHandle(len(slots), slots, node)
 
     def peek_prefix_len(self, key: list[int]) -> int:
         """Length of the cached prefix of ``key`` in tokens, without touching the tree."""
@@ -167,10 +163,15 @@ class RadixCache:
             node = child
         return done
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:
         """Insert ``key`` with slots ``value`` (int64 [len(key)]), page-aligned (a partial tail page
-        is ignored). Returns how many leading tokens were already cached: the caller still owns
-        ``value[:that]`` (duplicates to free) and the tree now owns the rest."""
+        is ignored). ``prefix_len``: leading tokens already cached (the caller still owns
+        ``value[:prefix_len]``, duplicates to free); the tree now owns the rest, and ``handle``
+        covers the whole inserted key (not yet locked)."""
+        done = self._insert(key, value)
+        return InsertResult(done, self.match_prefix(key, hit=False))
+
+    def _insert(self, key: list[int], value: torch.Tensor) -> int:
         now = time.monotonic()
         n = len(key) - len(key) % self.page_size
         key, value = key[:n], value[:n]
@@ -193,19 +194,21 @@ class RadixCache:
             done += k
         return done
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction."""
-        while node is not self.root:
+    def lock(self, handle: CacheHandle) -> None:
+        """Protect the handle's node and its ancestors from eviction."""
+        node = handle.node
+        while node is not None and node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        """Undo one ``inc_lock_ref(node)``."""
-        while node is not self.root:
-            assert node.lock_ref > 0, "dec_lock_ref without inc_lock_ref"
+    def unlock(self, handle: CacheHandle) -> None:
+        """Undo one ``lock(handle)``."""
+        node = handle.node
+        while node is not None and node is not self.root:
+            assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
@@ -238,43 +241,23 @@ class RadixCache:
         return freed
 
     # -- pinning -----------------------------------------------------------------------------
-    @property
-    def pinned_size(self) -> int:
-        return sum(n for _, _, n in self.pins.values())
-
     def pin(self, pin_id: str, key: list[int], ttl: float, now: Optional[float] = None) -> int:
         """Keep the cached prefix ``key`` from eviction for ``ttl`` seconds (re-pinning the same id
         extends it). Returns the tokens pinned. Raises ValueError if ``key`` is not fully cached
         (page-aligned) or the pinned budget (``max_pinned_tokens``) would be exceeded."""
         now = time.monotonic() if now is None else now
         n = len(key) - len(key) % self.page_size
-        slots, node = self.match_prefix(key[:n])
-        if len(slots) < n:
-            raise ValueError(f"only {len(slots)} of the {n} tokens to pin are cached")
+        handle = self.match_prefix(key[:n])
+        if handle.cached_len < n:
+            raise ValueError(f"only {handle.cached_len} of the {n} tokens to pin are cached")
         already = self.pins[pin_id][2] if pin_id in self.pins else 0
         if self.pinned_size - already + n > self.max_pinned_tokens:
             raise ValueError(f"pinning {n} tokens would exceed the pinned budget of {self.max_pinned_tokens} tokens "
                              f"({self.pinned_size} pinned)")
         self.unpin(pin_id)  # re-pinning replaces (and so extends) the old pin; a failed one keeps it
-        self.inc_lock_ref(node)
-        self.pins[pin_id] = (node, now + ttl, n)
+        self.lock(handle)
+        self.pins[pin_id] = (handle, now + ttl, n)
         return n
-
-    def unpin(self, pin_id: str) -> bool:
-        """Release a pin (its prefix becomes evictable again). False if the id is unknown."""
-        entry = self.pins.pop(pin_id, None)
-        if entry is None:
-            return False
-        self.dec_lock_ref(entry[0])
-        return True
-
-    def unpin_expired(self, now: Optional[float] = None) -> int:
-        """Release pins whose TTL ran out; returns how many."""
-        now = time.monotonic() if now is None else now
-        expired = [p for p, (_, t, _) in self.pins.items() if t <= now]
-        for p in expired:
-            self.unpin(p)
-        return len(expired)
 
     def _leaves(self):
         stack = [self.root]
@@ -284,57 +267,40 @@ class RadixCache:
                 yield n
             stack.extend(n.children.values())
 
-    # -- request glue ------------------------------------------------------------------------
-    def cache_unfinished_req(self, req) -> None:
-        """Put the computed prefix of a running request into the tree and move its lock there.
 
-        ``req.slots`` (int64) is rewritten in place so its tree-owned head uses the tree's slots;
-        the request's redundant copies are freed. Called after each prefill chunk."""
-        n = req.num_computed - req.num_computed % self.page_size
-        if n <= req.num_tree_tokens:
-            return
-        key = req.all_ids[:n]
-        cached = self.insert(key, req.slots[:n])
-        if cached > req.num_tree_tokens:
-            self.pool.free(req.slots[req.num_tree_tokens:cached])
-        slots, node = self.match_prefix(key, hit=False)
-        req.slots[:n] = slots
-        self.inc_lock_ref(node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.last_node = node
-        req.num_tree_tokens = n
+class NoPrefixCache(PrefixCache):
+    """The prefix cache with caching off (``--disable-radix-cache``): nothing matches, nothing is
+    kept (an insert takes no slot, so a request's slots go straight back to the pool), nothing pins."""
 
-    def cache_finished_req(self, req) -> None:
-        """A request is done (finished, aborted or retracted): its computed tokens go into the tree,
-        its lock is released and every slot it still owns is freed. Leaves req.slots = None."""
-        if req.slots is not None:
-            self.cache_unfinished_req(req)
-            own = req.slots[req.num_tree_tokens:]
-            self.pool.free(own)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.slots, req.last_node, req.num_tree_tokens = None, None, 0
+    keeps_prefixes = False
 
+    def __init__(self, pool: KVPool, page_size: int = 1, max_pinned_tokens: Optional[int] = None):
+        self.pool = pool
+        self.page_size = page_size
+        self.max_pinned_tokens = 0
+        self.reset()
 
-class NoPrefixCache(RadixCache):
-    """The same interface with caching off (``--disable-radix-cache``): nothing matches, nothing
-    is kept; a finished request's slots go straight back to the pool."""
+    def reset(self) -> None:
+        self.evictable_size = self.protected_size = self.num_evicted = 0
+        self.pins = {}
 
-    def match_prefix(self, key, hit=True):
-        return _EMPTY, self.root
-
-    def pin(self, pin_id, key, ttl, now=None) -> int:
-        raise ValueError("the prefix cache is disabled")
+    def match_prefix(self, key, hit=True) -> CacheHandle:
+        return EMPTY_HANDLE
 
     def peek_prefix_len(self, key) -> int:
         return 0
 
-    def insert(self, key, value):
-        raise RuntimeError("the prefix cache is disabled")
+    def insert(self, key, slots) -> InsertResult:
+        return InsertResult(0, EMPTY_HANDLE)
 
-    def cache_unfinished_req(self, req) -> None:
+    def lock(self, handle) -> None:
+        return
+
+    def unlock(self, handle) -> None:
         return
 
     def evict(self, num_tokens: int) -> int:
         return 0
+
+    def pin(self, pin_id, key, ttl, now=None) -> int:
+        raise ValueError("the prefix cache is disabled")

@@ -8,46 +8,126 @@ its own process for the server. It never sees text.
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from typing import Callable, Iterable, Optional
 
 from idleless.config import EngineConfig
-from idleless.engine.request import Request, RequestOutput
+from idleless.engine.request import FinishReason, Request, RequestOutput
 from idleless.engine.scheduler import Scheduler
-from idleless.model.runner import ModelRunner
+from idleless.sampling_params import SamplingParams
+
+PinDone = Callable[[Optional[int], Optional[str]], None]
 
 
 class EngineCore:
-    """Loads the model (``ModelRunner``) and owns the ``Scheduler``.
+    """Owns the ``ModelRunner`` (loaded from ``config`` unless one is given) and the ``Scheduler``.
 
-    eos ids come from the model's config (config.json / generation_config.json)."""
+    eos ids come from the model's config (config.json / generation_config.json). ``runner`` may be
+    any object with ``pool``, ``model_config`` (vocab_size, eos_token_ids), ``context_length`` and
+    ``execute(plan) -> StepResult`` (tests drive the scheduler with a scripted runner)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner=None):
+        if runner is None:
+            from idleless.model.runner import ModelRunner
+            runner = ModelRunner(config)
         self.config = config
-        self.runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self.runner, set(self.runner.model_config.eos_token_ids))
+        self.runner = runner
+        mc = runner.model_config
+        self.scheduler = Scheduler(config, runner.pool, mc.vocab_size, runner.context_length, set(mc.eos_token_ids))
+        self._pin_waiters: dict[str, tuple[str, list[int], float, PinDone]] = {}  # prefill rid -> pin
 
     def add_request(self, req: Request) -> None:
         """Queue a request; raises RequestError if it can never be served."""
         self.scheduler.add_request(req)
 
     def abort(self, rid: str) -> bool:
+        """Abort a waiting or running request (reported at the next step); False if unknown."""
         return self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        return self.scheduler.step()
+        """One step: plan -> execute -> commit. Returns the outputs it produced. Charges its time to
+        the ``schedule`` and ``forward`` buckets of ``scheduler.clock``."""
+        sched = self.scheduler
+        clock = sched.clock
+        plan = sched.schedule()
+        d_sched = clock.mark("schedule")
+        if plan.requests:
+            result = self.runner.execute(plan)
+            d_fwd = clock.mark("forward")
+            sched.commit(plan, result)
+            sched.account_step(plan, d_sched + clock.mark("schedule"), d_fwd)
+        else:
+            sched.stats.schedule_time += d_sched
+        outputs = sched.take_outputs()
+        if self._pin_waiters:
+            outputs = [o for o in outputs if not self._pin_prefilled(o)]
+        return outputs
 
-    def control(self, kind: str, payload: dict | None = None) -> Any:
-        """Admin operations: ``flush_cache`` -> bool, ``stats`` -> dict."""
-        if kind == "flush_cache":
-            return self.scheduler.flush_cache()
-        if kind == "stats":
-            return self.stats()
-        raise ValueError(f"unknown control call {kind!r}")
+    # -- between-step operations -------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache, pins included; False (nothing done) while requests run or wait."""
+        return self.scheduler.flush_cache()
+
+    def add_eos_ids(self, ids: Iterable[int]) -> list[int]:
+        """More token ids that end generation (e.g. the tokenizer's); returns all of them, sorted."""
+        self.scheduler.eos_ids |= {int(i) for i in ids}
+        return sorted(self.scheduler.eos_ids)
+
+    def pin_prefix(self, pin_id: str, prompt_ids: list[int], ttl_s: float, done: PinDone) -> None:
+        """Keep ``prompt_ids``' KV in the prefix cache for ``ttl_s`` seconds (re-pinning an id
+        replaces its pin). When the prefix is not cached yet it is prefilled first, as a prefill-only
+        request (no token sampled). ``done(tokens, None)`` reports the tokens pinned, ``done(None,
+        message)`` a refusal (the cache keeps nothing, the pinned budget would be exceeded, a bad
+        prompt or ttl); called at once or from the ``step()`` that finishes the prefill."""
+        if not ttl_s > 0:
+            done(None, "ttl_s must be > 0")
+            return
+        cache = self.scheduler.cache
+        page = self.scheduler.pool.page_size
+        if not cache.keeps_prefixes or cache.peek_prefix_len(prompt_ids) >= len(prompt_ids) - len(prompt_ids) % page:
+            self._pin(pin_id, prompt_ids, ttl_s, done)
+            return
+        rid = f"pin-{uuid.uuid4().hex[:12]}"
+        try:
+            self.scheduler.add_request(Request(rid, list(prompt_ids), SamplingParams(max_new_tokens=0, temperature=0.0),
+                                               priority=1 << 30))
+        except ValueError as e:  # RequestError
+            done(None, str(e))
+            return
+        self._pin_waiters[rid] = (pin_id, list(prompt_ids), ttl_s, done)
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Release a pin early; False if the id is unknown."""
+        return self.scheduler.cache.unpin(pin_id)
+
+    def _pin(self, pin_id: str, prompt_ids: list[int], ttl_s: float, done: PinDone) -> None:
+        try:
+            n = self.scheduler.cache.pin(pin_id, prompt_ids, ttl_s)
+        except ValueError as e:
+            done(None, str(e))
+            return
+        done(n, None)
+
+    def _pin_prefilled(self, out: RequestOutput) -> bool:
+        """Consume the output of a pin's prefill: pin when it finished. True if ``out`` was one."""
+        waiter = self._pin_waiters.get(out.rid)
+        if waiter is None:
+            return False
+        if out.finished:
+            del self._pin_waiters[out.rid]
+            pin_id, ids, ttl_s, done = waiter
+            if out.finish_reason == FinishReason.ABORT:
+                done(None, "aborted before the prefix was cached")
+            else:
+                self._pin(pin_id, ids, ttl_s, done)
+        return True
 
     def stats(self) -> dict:
+        """Engine totals (SchedulerStats fields, cache_hit_rate), KV usage in tokens, the time
+        buckets in seconds, and the running and waiting counts."""
         s = self.scheduler.refresh_stats()
         d = {k: getattr(s, k) for k in s.__dataclass_fields__}
         d["cache_hit_rate"] = s.cache_hit_rate

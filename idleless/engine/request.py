@@ -1,13 +1,13 @@
-"""Requests, sampling parameters and outputs: the messages between frontend and engine core.
+"""Requests and outputs: the messages between frontend and engine core, and the engine's own record.
 
 The engine core only sees token ids; text (prompts, stop strings, detokenization) lives in the
-frontend (``idleless.text``). Everything here is a plain dataclass so it pickles over ZMQ.
+frontend (``idleless.text``). ``Request`` and ``RequestOutput`` are plain dataclasses that pickle
+over ZMQ; ``RequestRecord`` is engine-private state.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -25,22 +25,41 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """One sequence inside the engine core (a request with n > 1 is n of these, sharing a prompt).
+    """The request message: what a frontend asks of the engine core (pickled over ZMQ as is).
 
-    Token bookkeeping (all counts in tokens):
-      prompt_ids + output_ids = all token ids so far;
-      num_computed: how many leading tokens have KV in ``slots`` (prefix hit + prefilled + decoded);
-      cached_tokens: how many prompt tokens were served by the radix cache at (first) admission.
-    ``slots`` is the request's KV slot table (int64 tensor), ``last_node`` the radix node it locks.
-    """
+    One sequence: a request with n > 1 is n of these sharing a prompt. Frozen; the engine keeps its
+    own ``RequestRecord`` (progress, KV slots, cache handle, generator) built from it at admission.
+    ``priority``: higher is admitted first and retracted last. ``arrival_time``: time.monotonic() s."""
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    """The engine core's state of one request (never sent back; built from a ``Request``).
+
+    Token bookkeeping (all counts in tokens):
+      prompt_ids + output_ids = all token ids so far;
+      num_computed: leading tokens whose KV is in ``slots`` (prefix hit + prefilled + decoded);
+      cached_tokens: prompt tokens served by the prefix cache at first admission (-1 before it).
+    ``slots``: the KV slot table (int64 tensor) or None while waiting; ``cache_handle``: the locked
+    prefix-cache handle covering ``slots[:num_tree_tokens]`` (None while waiting);
+    ``max_new_tokens``: the request's limit with None resolved to the context length at admission.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    max_new_tokens: int
+    generator: object = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -50,12 +69,14 @@ class Request:
     num_computed: int = 0
     num_retractions: int = 0
     first_token_time: Optional[float] = None
-    # engine-private state (never sent back):
     slots: object = None
-    last_node: object = None
-    num_tree_tokens: int = 0  # leading slots owned by the radix tree (the rest are the request's own)
-    generator: object = None
+    cache_handle: object = None
     num_sent: int = 0  # output tokens already reported
+
+    @property
+    def num_tree_tokens(self) -> int:
+        """Leading slots of the table owned by the prefix cache (the rest are the request's own)."""
+        return self.cache_handle.cached_len if self.cache_handle is not None else 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -68,6 +89,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.params.logprobs or self.params.top_logprobs)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,6 +14,7 @@ from idleless.model import cpu_kernels
 from idleless.model.attention import TorchNativeAttention
 from idleless.model.layers import can_prepack
 from idleless.model.llama import LlamaForCausalLM
+from idleless.model.sampler import SamplingRow, sample
 from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,32 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+def forward_batch_of(plan) -> tuple[ForwardBatch, list[SamplingRow]]:
+    """A ``StepPlan``'s model inputs: the flattened ForwardBatch and one sampler row per sampled
+    logits row. A request that samples with k proposed tokens has k + 1 sampled rows (its last k + 1
+    positions); the j-th sees the proposed tokens before it as generated, for penalties and
+    min_new_tokens."""
+    ids, pos, locs, ext, pre, tables, rows, sampling = [], [], [], [], [], [], [], []
+    row = 0
+    for r in plan.requests:
+        n = r.num_tokens
+        ids.extend(r.token_ids)
+        pos.extend(range(r.start, r.start + n))
+        locs.append(r.out_slots)
+        ext.append(n)
+        pre.append(r.start)
+        tables.append(r.slot_table)
+        if r.sampling is not None:
+            rows.extend(range(row + r.num_known - 1, row + n))
+            sampling.append(r.sampling)
+            for j in range(1, r.num_sampled):
+                sampling.append(replace(r.sampling, output_ids=list(r.sampling.output_ids) + r.proposed[:j]))
+        row += n
+    batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
+                         torch.cat(locs), ext, pre, tables, torch.tensor(rows, dtype=torch.int64))
+    return batch, sampling
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -97,3 +124,23 @@ class ModelRunner:
         meta = self.backend.prepare(batch.extend_lens, batch.prefix_lens, batch.slot_tables)
         return self.model(batch.input_ids, batch.positions, self.backend, meta, batch.out_cache_loc,
                           batch.sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, plan):
+        """Execute a ``StepPlan`` (idleless.engine.plan): build the tensors, run the forward, sample
+        every sampled row (``plan.eos_ids`` for min_new_tokens). Returns a ``StepResult`` with one
+        entry per scheduled request, in plan order."""
+        from idleless.engine.plan import StepResult
+        batch, rows = forward_batch_of(plan)
+        logits = self.forward(batch)
+        sampled, lps, tops = [], [], []
+        if rows:
+            out = sample(logits, rows, plan.eos_ids)
+        i = 0
+        for r in plan.requests:
+            k = r.num_sampled
+            sampled.append(out.next_ids[i:i + k] if k else [])
+            lps.append(out.logprobs[i:i + k] if k else [])
+            tops.append(out.top_logprobs[i:i + k] if k else [])
+            i += k
+        return StepResult(sampled, lps, tops)
