@@ -1,5 +1,6 @@
-"""The attention backend's batch plan: shared-segment discovery against brute force, and the packed
-shared segments the AMX path keeps across decode steps.
+"""The attention backends' batch plan: shared-segment discovery against brute force, the composite's
+split of a batch between kernel families against the torch-native reference and a float64 softmax, and
+the packed shared segments the AMX path keeps across decode steps.
 
 ``find_shared_segments`` walks the requests' slot tables like the radix tree they came from; here the
 tables are random trees of shared stretches (a system prompt, documents, sub-documents, some shorter
@@ -15,7 +16,15 @@ from hypothesis import strategies as st
 
 from idleless.cache.kv_pool import KVPool
 from idleless.model import cpu_kernels
-from idleless.model.attention import MIN_SHARED_TOKENS, TorchNativeAttention, find_shared_segments
+from idleless.model.attention import (
+    MIN_SHARED_TOKENS,
+    CompositeAttention,
+    FusedDecodeAttention,
+    PaddedFlashAttention,
+    RaggedAmxAttention,
+    TorchNativeAttention,
+    find_shared_segments,
+)
 
 
 @st.composite
@@ -89,7 +98,7 @@ def test_packed_segments_follow_the_pool_contents():
     a float64 softmax over the pool's contents at that step (a stale pack would attend the old keys)."""
     H, Hkv, D = 4, 2, 64
     pool = KVPool(1, Hkv, D, 128, torch.bfloat16)
-    backend = TorchNativeAttention(pool, H, Hkv, D, kernels=cpu_kernels.load(torch.bfloat16))
+    backend = CompositeAttention(pool, H, Hkv, D, kernels=cpu_kernels.load(torch.bfloat16))
     g = torch.Generator().manual_seed(0)
     prefix, own = pool.alloc(0, 0, 40), [pool.alloc(0, 0, 1), pool.alloc(0, 0, 1)]
 
@@ -120,3 +129,124 @@ def test_packed_segments_follow_the_pool_contents():
     assert set(again.tolist()) == set(prefix.tolist())  # the same slots (kept in the old order: the same key)
     fill(prefix)  # another prompt's K/V in the same slots
     assert not step()
+
+
+def brute_force(q, pool, layer, table, num_new, window=None):
+    """float64 causal softmax attention of a request's new rows q [E, H, D] over its slot table [L]
+    (the new tokens' K/V last) -> [E, H, D]; window: each row sees its last `window` keys."""
+    E, H, D = q.shape
+    keys, vals = pool.k_cache[layer, table].double(), pool.v_cache[layer, table].double()
+    G = H // keys.shape[1]
+    s = torch.einsum("ehd,lhd->hel", q.double(), keys.repeat_interleave(G, 1)) * D ** -0.5
+    L = table.numel()
+    pos = torch.arange(L - E, L)[:, None]
+    allowed = torch.arange(L)[None, :] <= pos
+    if window is not None:
+        allowed &= torch.arange(L)[None, :] > pos - window
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hel,lhd->ehd", torch.softmax(s, -1), vals.repeat_interleave(G, 1))
+
+
+def _mixed_batch(pool, g):
+    """Slot tables of a mixed batch: a 40-token system prompt held by five requests, a 20-token document
+    held by two of them, decode rows, extends over shared and own prefixes, a plain prefill."""
+    def take(n):
+        return pool.alloc(0, 0, n)
+
+    system, doc = take(40), take(20)
+    own = {  # request -> (shared part, own earlier tokens, new tokens)
+        "decode-sys": (system, 5, 1), "decode-doc": (torch.cat([system, doc]), 3, 1),
+        "extend-doc": (torch.cat([system, doc]), 0, 6), "extend-sys": (system, 2, 30), "decode-sys2": (system, 0, 1),
+        "prefill": (torch.empty(0, dtype=torch.int64), 0, 25), "decode-own": (torch.empty(0, dtype=torch.int64), 50, 1),
+        "extend-own": (torch.empty(0, dtype=torch.int64), 17, 3),
+    }
+    extend_lens, prefix_lens, tables = [], [], []
+    for shared, past, new in own.values():
+        tables.append(torch.cat([shared, take(past + new)]))
+        extend_lens.append(new)
+        prefix_lens.append(shared.numel() + past)
+    used = torch.cat(tables).unique()
+    pool.k_cache[0, used] = torch.randn(used.numel(), *pool.k_cache.shape[2:], generator=g).to(pool.dtype)
+    pool.v_cache[0, used] = torch.randn(used.numel(), *pool.v_cache.shape[2:], generator=g).to(pool.dtype)
+    return list(own), extend_lens, prefix_lens, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.skipif(cpu_kernels.load(torch.float32) is None, reason="no C compiler for the CPU kernels")
+def test_composite_split_matches_the_torch_native_reference(dtype):
+    """The composite with the CPU kernels splits a mixed batch: one-token tails to the decode kernel, the
+    other tails and the shared segments to padded flash (or all of them to the AMX ragged kernel), the
+    segments' backend last; its output agrees with the torch-native reference (padded flash alone) and
+    both with a float64 softmax per request. A row attended twice, a segment not merged or a tail routed
+    to two backends moves outputs by O(1)."""
+    H, Hkv, D = 4, 2, 64
+    g = torch.Generator().manual_seed(3)
+    pools = [KVPool(1, Hkv, D, 512, dtype) for _ in range(2)]
+    names, ext, pre, tables = _mixed_batch(pools[0], g)
+    _mixed_batch(pools[1], torch.Generator().manual_seed(3))  # the same slots and K/V
+    kern = cpu_kernels.load(dtype)
+    comp = CompositeAttention(pools[0], H, Hkv, D, kernels=kern)
+    ref = TorchNativeAttention(pools[1], H, Hkv, D)
+    meta, ref_meta = comp.prepare(ext, pre, tables), ref.prepare(ext, pre, tables)
+
+    starts = torch.tensor([0] + ext).cumsum(0).tolist()
+    rows_of = {n: set(range(starts[i], starts[i] + ext[i])) for i, n in enumerate(names)}
+    backends = [b for b, _ in meta.parts]
+    assert len(set(map(id, backends))) == len(backends) and backends[-1] is comp.segment_backend
+    ragged = RaggedAmxAttention.supports(kern, D)
+    assert isinstance(comp.decode_backend, FusedDecodeAttention)
+    assert isinstance(comp.segment_backend, RaggedAmxAttention if ragged else PaddedFlashAttention)
+    decode_plan = next(p for b, p in meta.parts if b is comp.decode_backend)
+    (dg,) = decode_plan.tails
+    assert set(dg.rows.tolist()) == set().union(*(rows_of[n] for n in names if ext[names.index(n)] == 1))
+    assert meta.segments and not meta.alone and meta.merged
+    assert [type(b) for b, _ in ref_meta.parts] == [PaddedFlashAttention] and ref_meta.segments
+
+    T = sum(ext)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    loc = torch.cat([t[-e:] for t, e in zip(tables, ext)])
+    out = comp.forward(q, k, v, 0, meta, loc)
+    want = ref.forward(q, k, v, 0, ref_meta, loc)
+    assert out.dtype == dtype and out.shape == (T, H, D)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), want.double(), rtol=0, atol=tol)
+    for i, n in enumerate(names):
+        exact = brute_force(q[starts[i]:starts[i] + ext[i]], pools[0], 0, tables[i], ext[i])
+        torch.testing.assert_close(out[starts[i]:starts[i] + ext[i]].double(), exact, rtol=0, atol=tol, msg=n)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_composite_alone_and_window_routes(kernels):
+    """A lone prefill runs in one padded flash call whose output is the layer's (no copy); a batch of
+    decode rows alone in the decode kernel; a batch past the sliding window wholly in padded flash with
+    window masks (no segments), matching a float64 windowed softmax."""
+    kern = cpu_kernels.load(torch.float32) if kernels else None
+    if kernels and kern is None:
+        pytest.skip("no C compiler for the CPU kernels")
+    H, Hkv, D, W = 4, 2, 32, 8
+    g = torch.Generator().manual_seed(5)
+    pool = KVPool(1, Hkv, D, 256, torch.float32)
+    comp = CompositeAttention(pool, H, Hkv, D, sliding_window=W, kernels=kern)
+    prefill = pool.alloc(0, 0, 6)
+    meta = comp.prepare([6], [0], [prefill])
+    assert meta.alone and meta.parts[0][0] is comp.flash
+    decodes = [pool.alloc(0, 0, 5), pool.alloc(0, 0, 3)]
+    meta = comp.prepare([1, 1], [4, 2], decodes)
+    assert meta.alone and meta.parts[0][0] is comp.decode_backend
+    assert (comp.decode_backend is comp.flash) == (not kernels)
+
+    long = pool.alloc(0, 0, 30)  # 30 keys > window 8: flash with window masks for every row
+    short = pool.alloc(0, 0, 2)
+    tables, ext, pre = [long, short], [1, 2], [29, 0]
+    used = torch.cat(tables)
+    pool.k_cache[0, used] = torch.randn(used.numel(), Hkv, D, generator=g)
+    pool.v_cache[0, used] = torch.randn(used.numel(), Hkv, D, generator=g)
+    meta = comp.prepare(ext, pre, tables)
+    assert [b for b, _ in meta.parts] == [comp.flash] and not meta.segments
+    q = torch.randn(3, H, D, generator=g)
+    out = comp.forward(q, pool.k_cache[0, torch.tensor([long[-1], short[0], short[1]])],
+                       pool.v_cache[0, torch.tensor([long[-1], short[0], short[1]])], 0, meta,
+                       torch.tensor([long[-1], short[0], short[1]]))
+    torch.testing.assert_close(out[:1].double(), brute_force(q[:1], pool, 0, long, 1, W), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[1:].double(), brute_force(q[1:], pool, 0, short, 2, W), rtol=0, atol=1e-5)

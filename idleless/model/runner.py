@@ -11,11 +11,13 @@ import torch
 from idleless.cache.kv_pool import KVPool
 from idleless.config import EngineConfig
 from idleless.model import cpu_kernels
-from idleless.model.attention import TorchNativeAttention
-from idleless.model.layers import can_prepack
+from idleless.model.attention import CompositeAttention
+from idleless.model.linear import select_linear_method
 from idleless.model.llama import LlamaForCausalLM
+from idleless.model.ops import select_ops
 from idleless.model.sampler import SamplingRow, sample
 from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
+from idleless.model.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,10 @@ def resolve_dtype(name: str) -> torch.dtype:
 class ModelRunner:
     """Loads the model named by ``config.model`` and sizes the KV pool from ``config.kv_cache_memory``.
 
-    Raises FileNotFoundError / ValueError from the loader (missing files, unsupported
-    architecture) and ValueError if the KV budget holds no page."""
+    The backends are chosen once, here, from the dtype, the device and the config flags: ``kernels``
+    (cpu_kernels, or None), ``ops`` (the glue between matmuls), ``linear_method`` (plain, oneDNN- or
+    AMX-packed) and the composite attention ``backend``. Raises FileNotFoundError / ValueError from the
+    loader (missing files, unsupported architecture) and ValueError if the KV budget holds no page."""
 
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
@@ -94,25 +98,23 @@ class ModelRunner:
         self.model_config = mc = load_model_config(self.model_dir)
         self.dtype = resolve_dtype(config.dtype)
         self.context_length = config.context_length or mc.max_position_embeddings
-        self.model = LlamaForCausalLM(mc, max_positions=self.context_length)
+        self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
+        self.ops = select_ops(self.kernels)
+        self.linear_method = select_linear_method(self.dtype, config.device, config.disable_weight_prepack,
+                                                  self.kernels)
+        self.model = LlamaForCausalLM(mc, self.context_length, self.ops, self.linear_method)
         self.model.to(self.dtype)
         self.model.rope.cos = self.model.rope.cos.float()
         self.model.rope.sin = self.model.rope.sin.float()
-        self.model.load_weights(load_state_dict(self.model_dir, self.dtype))
         self.model.eval()
-        self.prepacked_bytes = 0
-        if not config.disable_weight_prepack and can_prepack(self.dtype, config.device):
-            self.prepacked_bytes = self.model.prepack_weights()
-        self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
-        self.model.use_kernels(self.kernels)
-        if self.prepacked_bytes and self.kernels is not None and self.kernels.has_amx:
-            self.prepacked_bytes += self.model.pack_amx(self.kernels)  # decode-sized batches on AMX
+        self.prepacked_bytes = 0  # bytes the linear method holds beyond the weights (packed copies)
+        self.load_weights(load_state_dict(self.model_dir, self.dtype).items(), require_all=True)
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size)
-        self.backend = TorchNativeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                                            getattr(mc, "sliding_window", None), self.kernels)
+        self.backend = CompositeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                                          getattr(mc, "sliding_window", None), self.kernels)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
                  self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,
@@ -124,6 +126,16 @@ class ModelRunner:
         meta = self.backend.prepare(batch.extend_lens, batch.prefix_lens, batch.slot_tables)
         return self.model(batch.input_ids, batch.positions, self.backend, meta, batch.out_cache_loc,
                           batch.sample_rows)
+
+    def load_weights(self, named_tensors, require_all: bool = False) -> None:
+        """Write HF-named tensors ((name, tensor) pairs: a checkpoint's, a trainer's) into the model by
+        name and re-process every linear method (re-pack), so the next forward uses the new weights
+        everywhere (``weights.load_weights``). A subset updates those parameters only; require_all
+        (start-up) requires every one. Raises ValueError (unknown name, wrong shape, not floating
+        point, a name twice, missing with require_all) before writing anything: the weights are then
+        unchanged. The KV pool and the prefix cache still hold K/V of the old weights: call between
+        steps and flush the cache for outputs of the new weights alone."""
+        self.prepacked_bytes = load_weights(self.model, named_tensors, require_all=require_all)
 
     @torch.inference_mode()
     def execute(self, plan):
