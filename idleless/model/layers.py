@@ -1,23 +1,21 @@
-"""Building blocks of Llama-family models: RMSNorm, rotary embedding, linear, gated MLP.
+"""Building blocks of Llama-family models: RMSNorm, rotary embedding, gated MLP (linear layers: ``linear``).
 
-Linear layers hold a plain weight tensor and call ``F.linear`` so that a quantized linear (later)
-can replace one without touching the model code. On CPU in bfloat16 they can also hold a copy of the
-weight pre-packed into oneDNN's blocked layout (``Linear.prepack``): ``F.linear`` re-packs the weight on
-every call, which at decode (few rows, every weight read once per step) costs about as much as the
-product itself; the packed copy gives bit-identical results in 0.6-0.8x the time. On CPUs with AMX
-tiles they also hold a copy in ``cpu_kernels.amx_linear``'s layout (``Linear.pack_amx``) for batches of
-up to 64 rows (decode steps), where oneDNN's per-call cost is high: 120 SmolLM2 layers at 64 rows in
-15 ms against 21 ms.
+The glue between matmuls (norm, rope, SwiGLU) runs through an ``ops`` object given at construction
+(``ops.select_ops``: eager PyTorch or the fused CPU kernels), the matmuls through a linear method.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from idleless.model.linear import Linear, LinearMethod
+
+if TYPE_CHECKING:
+    from idleless.model.ops import Ops
 
 
 class RMSNorm(nn.Module):
@@ -25,72 +23,19 @@ class RMSNorm(nn.Module):
 
     ``norm(x)``: x [T, hidden] any float dtype -> same shape and dtype. ``norm(x, residual)``: the
     residual add before the norm fused in (vLLM's fused_add_rms_norm): returns (norm(x + residual),
-    x + residual), the sum rounded to the dtype as HF's ``residual + hidden``; with ``kernels`` set
-    (cpu_kernels) the sum is written into ``residual`` in place."""
+    x + residual), the sum rounded to the dtype as HF's ``residual + hidden`` (the fused kernels write
+    it into ``residual`` in place). ops: the glue backend (``ops.select_ops``)."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ops: Ops):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self.kernels = None  # CpuKernels of the model dtype, or None for the eager path
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self.kernels is not None:
-            out = self.kernels.rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, residual)
-        if residual is not None:
-            residual = x + residual
-            return self.weight * F.rms_norm(residual, self.weight.shape, eps=self.eps), residual
-        # F.rms_norm accumulates in float32 and rounds once to x's dtype: HF's float32 normalisation,
-        # then the cast, then the weight in x's dtype (checked bit-exact against the unfused ops)
-        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
-
-
-def can_prepack(dtype: torch.dtype, device: str = "cpu") -> bool:
-    """Whether ``Linear.prepack`` applies: bfloat16 on a CPU build with oneDNN."""
-    return (device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b). x: [T, in_features] -> [T, out_features], model dtype.
-    weight: [out_features, in_features] (a shared Parameter is allowed: a tied lm_head)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 weight: Optional[nn.Parameter] = None):
-        super().__init__()
-        self.weight = weight if weight is not None else nn.Parameter(torch.empty(out_features, in_features),
-                                                                     requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.packed: Optional[torch.Tensor] = None  # oneDNN-blocked copy of weight (prepack), not a parameter
-        self.amx: Optional[torch.Tensor] = None  # amx_linear's copy of weight (pack_amx), not a parameter
-        self.kernels = None  # the cpu_kernels.CpuKernels that runs self.amx
-
-    def prepack(self) -> None:
-        """Keep a oneDNN-packed copy of the current weight (same bytes again) and use it in forward.
-        Call again after the weight changes. Requires ``can_prepack(weight.dtype)``."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PREPACK_ROWS_HINT)
-
-    def pack_amx(self, kernels) -> int:
-        """Keep a copy of the current weight in ``kernels.amx_linear``'s layout and run batches of 1 to
-        ``AMX_LINEAR_MAX_ROWS`` rows there (larger ones stay on oneDNN / F.linear). Call again after
-        the weight changes. Returns the bytes held: 0 where it does not apply (no AMX, a dimension
-        not a multiple of 32)."""
-        self.amx = kernels.amx_pack_weight(self.weight.detach())
-        self.kernels = kernels if self.amx is not None else None
-        return 0 if self.amx is None else self.amx.numel() * self.amx.element_size()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx is not None and 0 < x.shape[0] <= self.kernels.AMX_LINEAR_MAX_ROWS:
-            return self.kernels.amx_linear(x, self.amx, self.weight.shape[0], self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-# Row-count hint for the packed layout; the result is the same for any number of rows (checked bit-exact
-# against F.linear for 1..2048 rows), only speed differs, and this hint was the best overall here.
-PREPACK_ROWS_HINT = 2048
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -148,18 +93,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one [2I, H] weight."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one [2I, H] weight (checkpoint
+    shards 0 = gate_proj, 1 = up_proj). ops: the glue backend; method: the linear method."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: Ops,
+                 method: Optional[LinearMethod] = None):
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.kernels = None  # CpuKernels (fused silu * up) or None
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method,
+                                   shard_sizes={0: intermediate_size, 1: intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size, method=method)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))

@@ -1,0 +1,184 @@
+"""Linear layers and their linear methods: how a layer holds its weight and computes y = x W^T (+ b).
+
+A ``LinearMethod`` (the shape of vLLM's ``QuantizeMethodBase``) is chosen once, at load
+(``select_linear_method``), and shared by every ``Linear`` of a model:
+
+* ``create_weights(layer, ...)`` makes the layer's parameters (the checkpoint's tensors) and their
+  per-parameter loaders (``StackedShards`` for fused q/k/v and gate/up);
+* ``process_after_load(layer)`` derives what ``apply`` reads from those parameters (packed copies;
+  later, quantized blocks). ``process_linear_methods`` runs it for every linear of a model and is the
+  one function a weight change goes through (``weights.load_weights`` calls it after every write),
+  so no derived copy can go stale;
+* ``apply(layer, x)`` computes the product.
+
+Methods here: ``PlainLinearMethod`` (``F.linear``, any device and dtype); ``OneDnnLinearMethod``
+(bfloat16 on CPU: ``F.linear`` re-packs the weight into oneDNN's blocked layout on every call, which at
+decode, where every weight is read once per step, costs about as much as the product; a copy packed once
+gives bit-identical results in 0.6-0.8x the time); ``AmxLinearMethod`` (CPUs with AMX tiles: batches of
+up to ``CpuKernels.AMX_LINEAR_MAX_ROWS`` rows, i.e. decode steps, in ``cpu_kernels.amx_linear`` from a
+tile-layout copy, where oneDNN's per-call cost is high; larger batches stay on oneDNN). A quantized
+weight format is a new method, not a branch in these.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Row-count hint for oneDNN's packed layout; the result is the same for any number of rows (checked
+# bit-exact against F.linear for 1..2048 rows), only speed differs, and this hint was the best overall.
+PREPACK_ROWS_HINT = 2048
+
+_PREPACK_OK: dict[tuple[torch.dtype, str], bool] = {}
+
+
+def can_prepack(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether ``OneDnnLinearMethod`` applies: bfloat16 on a CPU build with oneDNN whose bfloat16
+    reorder runs on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT; on AVX2-only CPUs it raises,
+    so it is tried once on a small weight and the answer kept)."""
+    key = (dtype, device)
+    if key not in _PREPACK_OK:
+        ok = (device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        if ok:
+            try:
+                torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=dtype), PREPACK_ROWS_HINT)
+            except RuntimeError:
+                ok = False
+        _PREPACK_OK[key] = ok
+    return _PREPACK_OK[key]
+
+
+class StackedShards:
+    """Per-parameter loader of a fused parameter: checkpoint tensors (shards) stacked along dim 0 in the
+    order given, e.g. {"q": H*D, "k": Hkv*D, "v": Hkv*D} for a fused q/k/v weight [(H+2Hkv)*D, in] or
+    its bias. ``view(param, shard)`` -> the rows of ``param`` that shard fills (a view; shard None: the
+    whole parameter). Raises ValueError for a shard id it does not hold. (nano-vllm's ``weight_loader``
+    per parameter, split into where-to-write and the write, so a loader can check every shape first.)"""
+
+    def __init__(self, sizes: dict[Hashable, int]):
+        self.sizes = dict(sizes)
+        self.offsets, acc = {}, 0
+        for shard, n in self.sizes.items():
+            self.offsets[shard] = acc
+            acc += n
+
+    @property
+    def shards(self) -> tuple:
+        return tuple(self.sizes)
+
+    def view(self, param: torch.Tensor, shard: Optional[Hashable]) -> torch.Tensor:
+        if shard is None:
+            return param.data
+        if shard not in self.sizes:
+            raise ValueError(f"no shard {shard!r} in a parameter stacked from {list(self.sizes)}")
+        return param.data.narrow(0, self.offsets[shard], self.sizes[shard])
+
+
+class LinearMethod:
+    """Base of the linear methods (see the module docstring). Stateless apart from what a method is
+    built with (e.g. its kernels); per-layer state lives on the layer."""
+
+    def create_weights(self, layer: "Linear", in_features: int, out_features: int, bias: bool,
+                       shard_sizes: Optional[dict[Hashable, int]] = None,
+                       weight: Optional[nn.Parameter] = None) -> None:
+        """Give ``layer`` its parameters: ``weight`` [out_features, in_features] (or the Parameter given,
+        shared, e.g. a tied lm_head's embedding) and ``bias`` [out_features] or None. shard_sizes: the
+        fused checkpoint tensors stacked in the weight (sizes along dim 0, summing to out_features),
+        loaded through a ``StackedShards`` set as each parameter's ``weight_loader``."""
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+            if shard_sizes:
+                weight.weight_loader = StackedShards(shard_sizes)
+        layer.weight = weight
+        layer.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        if bias and shard_sizes:
+            layer.bias.weight_loader = StackedShards(shard_sizes)
+
+    def process_after_load(self, layer: "Linear") -> int:
+        """Derive what ``apply`` reads from the layer's current parameters; returns the bytes it holds
+        beyond them. Runs after every weight change (through ``process_linear_methods``)."""
+        return 0
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] in the model dtype -> [T, out_features]."""
+        raise NotImplementedError
+
+
+class PlainLinearMethod(LinearMethod):
+    """``F.linear`` on the weight as stored: any device and dtype."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class OneDnnLinearMethod(LinearMethod):
+    """bfloat16 on CPU (``can_prepack``): a copy of the weight packed once into oneDNN's blocked layout
+    (``layer.packed``, the same bytes again), the same GEMM as ``F.linear`` without its per-call re-pack."""
+
+    def process_after_load(self, layer: "Linear") -> int:
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PREPACK_ROWS_HINT)
+        return layer.weight.numel() * layer.weight.element_size()
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+class AmxLinearMethod(OneDnnLinearMethod):
+    """oneDNN's packed copy plus a copy in ``cpu_kernels.amx_linear``'s tile layout (``layer.amx``, None
+    where a dimension is not a multiple of 32) for batches of 1 to ``AMX_LINEAR_MAX_ROWS`` rows: 120
+    SmolLM2 layers at 64 rows in 15 ms against oneDNN's 21 ms (its per-call cost dominates there).
+    kernels: a ``cpu_kernels.CpuKernels`` for bfloat16 with ``has_amx``."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.max_rows = kernels.AMX_LINEAR_MAX_ROWS
+
+    def process_after_load(self, layer: "Linear") -> int:
+        extra = super().process_after_load(layer)
+        layer.amx = self.kernels.amx_pack_weight(layer.weight.detach())
+        return extra + (0 if layer.amx is None else layer.amx.numel() * layer.amx.element_size())
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if layer.amx is not None and 0 < x.shape[0] <= self.max_rows:
+            return self.kernels.amx_linear(x, layer.amx, layer.weight.shape[0], layer.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+PLAIN = PlainLinearMethod()
+
+
+def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack: bool, kernels) -> LinearMethod:
+    """The linear method for a model, chosen once at load: AMX tiles (with oneDNN for large batches)
+    where the CPU kernels have them, else oneDNN-packed where ``can_prepack``, else plain ``F.linear``;
+    plain whenever ``disable_weight_prepack``. kernels: the model dtype's CpuKernels or None."""
+    if disable_weight_prepack or not can_prepack(dtype, device):
+        return PLAIN
+    if kernels is not None and kernels.dtype == dtype and kernels.has_amx:
+        return AmxLinearMethod(kernels)
+    return OneDnnLinearMethod()
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) through a linear method (default ``PLAIN``). x: [T, in_features] -> [T, out_features]
+    in the model dtype. weight: [out_features, in_features] (a shared Parameter is allowed: a tied
+    lm_head); shard_sizes: the fused checkpoint tensors stacked in it (see ``LinearMethod.create_weights``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 weight: Optional[nn.Parameter] = None, method: Optional[LinearMethod] = None,
+                 shard_sizes: Optional[dict[Hashable, int]] = None):
+        super().__init__()
+        self.method = method if method is not None else PLAIN  # a plain object: no nn.Module lookup per call
+        self.method.create_weights(self, in_features, out_features, bias, shard_sizes, weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+
+def process_linear_methods(model: nn.Module) -> int:
+    """Run every linear's ``process_after_load`` on its current weights (re-pack); returns the bytes the
+    methods hold beyond the parameters. The one path from a weight change to the derived copies."""
+    return sum(m.method.process_after_load(m) for m in model.modules() if isinstance(m, Linear))
