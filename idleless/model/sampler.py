@@ -230,8 +230,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
     Greedy rows (temperature < 1e-5 or top_k 1) take the argmax (the first maximum) of their
     penalised logits; when every row is greedy with nothing to adjust that is one ``max`` over the
     raw logits. The other rows are penalised, divided by their temperatures, truncated
-    (:func:`truncate`) and drawn (:func:`draw`) together. A row whose probabilities overflow (inf or
-    NaN after the temperature) takes the argmax instead. Raises ValueError if len(rows) != N.
+    (:func:`truncate`) and drawn (:func:`draw`) together. A row with no probabilities (an inf or NaN
+    logit after the temperature) takes the argmax instead. Raises ValueError if len(rows) != N.
     """
     N, V = logits.shape
     if len(rows) != N:
@@ -261,9 +261,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
             params = [work[j].params for j in sampled]
             s = _take(x, s_ix) / _column([p.temperature for p in params], torch.float32, dev)
             t = truncate(s, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-            probs = torch.softmax(t, -1)
-            tok = draw(probs, [work[j].generator for j in sampled])
-            bad = ~torch.isfinite(probs).all(-1)
+            tok = draw(torch.softmax(t, -1), [work[j].generator for j in sampled])
+            # A row whose largest tempered logit is not finite (an inf logit, NaN, or every token banned)
+            # has no probabilities; any other row's softmax is finite (truncation keeps its maximum).
+            bad = ~torch.isfinite(s.amax(-1))
             if bool(bad.any()):  # overflow from extreme settings: fall back to the argmax
                 tok = torch.where(bad, s.nan_to_num(nan=NEG_INF).argmax(-1), tok)
             if s_ix is None:
@@ -282,8 +283,7 @@ def _fill_logprobs(out: SampleOutput, logits: torch.Tensor, rows: Sequence[Sampl
     want = [i for i, r in enumerate(rows) if r.params.logprobs or r.params.top_logprobs]
     if not want:
         return
-    w = torch.tensor(want, dtype=torch.int64, device=logits.device)
-    lp = torch.log_softmax(logits[w].to(torch.float32), -1)
+    lp = torch.log_softmax(_take(logits, _index(want, len(rows), logits.device)).to(torch.float32), -1)
     chosen = torch.tensor([out.next_ids[i] for i in want], dtype=torch.int64, device=logits.device)
     for i, v in zip(want, lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()):
         out.logprobs[i] = v
