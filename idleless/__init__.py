@@ -9,7 +9,9 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from idleless.config import EngineConfig  # noqa: E402 (after the environment above)
-from idleless.engine.request import FinishReason, RequestError, SamplingParams  # noqa: E402
+from idleless.engine.request import FinishReason  # noqa: E402
+from idleless.errors import RequestError  # noqa: E402
+from idleless.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "FinishReason", "RequestError"]
 

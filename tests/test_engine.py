@@ -455,13 +455,17 @@ def radix_disabled(engine: Engine):
         sched.kv.cache = saved
 
 
-def test_readme_example_in_the_default_bfloat16(smollm2_dir):
-    """The README's example with the default settings (bfloat16, the fused kernels and, on AMX CPUs, the
-    AMX attention and linears) answers Paris, alone and in a batch. Its float32 top-2 margins are >= 1
-    logit over the first 10 tokens, so bf16 rounding cannot flip it; "What is the capital of France?"
-    is a 0.08-logit near-tie and did flip to "L'Etoile, ..." alone (found by a fresh-clone pass)."""
-    engine = Engine(model=smollm2_dir, kv_cache_memory="64MiB", num_threads=TEST_THREADS)
-    assert engine.core.runner.dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_readme_example_in_the_default_dtype_and_bfloat16(smollm2_dir, dtype):
+    """The README's example with the default settings (bfloat16 on CPUs with native bf16 matmul,
+    float32 elsewhere; the fused kernels and, on AMX CPUs, the AMX attention and linears) and in
+    bfloat16 on any CPU answers Paris, alone and in a batch. Its float32 top-2 margins are >= 1 logit
+    over the first 10 tokens, so bf16 rounding cannot flip it; "What is the capital of France?" is a
+    0.08-logit near-tie and did flip to "L'Etoile, ..." alone (found by a fresh-clone pass)."""
+    from idleless.model.runner import resolve_dtype
+
+    engine = Engine(model=smollm2_dir, kv_cache_memory="64MiB", num_threads=TEST_THREADS, dtype=dtype)
+    assert engine.core.runner.dtype == resolve_dtype(dtype)
     msgs = [{"role": "user", "content": "Name the capital of France."}]
     p = SamplingParams(temperature=0, max_new_tokens=16)
     alone = engine.generate([msgs], p, use_tqdm=False)[0].text

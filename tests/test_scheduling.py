@@ -86,15 +86,15 @@ def drive(core: EngineCore, max_steps: int = 10_000, on_step=None):
 
 
 def record_batches(core: EngineCore) -> list[list[int]]:
-    """Wrap the runner so each forward's extend_lens are recorded."""
+    """Wrap the runner so each executed plan's per-request token counts are recorded."""
     seen: list[list[int]] = []
-    orig = core.runner.forward
+    orig = core.runner.execute
 
-    def forward(batch):
-        seen.append(list(batch.extend_lens))
-        return orig(batch)
+    def execute(plan):
+        seen.append([r.num_tokens for r in plan.requests])
+        return orig(plan)
 
-    core.runner.forward = forward
+    core.runner.execute = execute
     return seen
 
 
@@ -317,8 +317,8 @@ def test_decodes_advance_every_step_while_a_4k_prompt_is_prefilled(tiny_dir):
         core.add_request(Request(rid, rand_ids(20 + i, 100 + i), greedy(60)))
     core.step()
     core.step()  # all three are decoding now
-    long_req = Request("long", rand_ids(n_long, 110), greedy(3))
-    core.add_request(long_req)
+    core.add_request(Request("long", rand_ids(n_long, 110), greedy(3)))
+    long_req = core.scheduler.waiting[-1]
     batches = record_batches(core)
     per_step: list[dict] = []
     computed: list[int] = []
@@ -348,7 +348,7 @@ def test_decodes_advance_every_step_while_a_4k_prompt_is_prefilled(tiny_dir):
 # --------------------------------------------------------------------------------------------------
 def _pin(core: EngineCore, pin_id: str, ids: list[int], ttl: float = 600.0):
     result = {}
-    core.scheduler.pin_prefix(pin_id, ids, ttl, lambda n, err: result.update(n=n, err=err))
+    core.pin_prefix(pin_id, ids, ttl, lambda n, err: result.update(n=n, err=err))
     drive(core)
     return result["n"], result["err"]
 
@@ -461,12 +461,14 @@ def test_pin_ttl_expiry_and_pinned_budget_in_the_tree():
     assert cache.unpin("a") is False
 
 
-def test_pin_through_the_scheduler_ttl_and_budget(tiny_dir):
+def test_pin_through_the_engine_core_ttl_and_budget(tiny_dir):
     core = make_core(tiny_dir, 1000, max_pinned_tokens=150)
     sys_prompt, doc = rand_ids(100, 150), rand_ids(100, 151)
-    assert _pin(core, "sys", sys_prompt) == (100, None)  # prefilled by an internal request
-    assert core.stats()["pinned_tokens"] == 100
-    assert core.stats()["num_finished"] == 0  # the internal request is not a user request
+    assert _pin(core, "sys", sys_prompt) == (100, None)  # prefilled first by a prefill-only request
+    st = core.stats()
+    assert st["pinned_tokens"] == 100
+    # the prefill is an ordinary prefill-only request: it computed the prompt and sampled nothing
+    assert st["num_finished"] == 1 and st["generation_tokens"] == 0 and st["computed_prompt_tokens"] == 100
     n, err = _pin(core, "doc", doc)
     assert n is None and "budget" in err
     assert core.stats()["pinned_tokens"] == 100
@@ -501,8 +503,9 @@ def test_retraction_under_a_tiny_pool(tiny_dir, page_size):
         reqs = [Request(rid, ids, greedy(n), priority=1 if rid == "r7" else 0) for rid, ids, n in specs]
         for r in reqs:
             core.add_request(r)
+        records = {r.rid: r for r in core.scheduler.waiting}  # the engine's own records
         toks, reasons, steps = drive(core, max_steps=bound)
-        return toks, reasons, steps, core, {r.rid: r for r in reqs}
+        return toks, reasons, steps, core, records
 
     big = run(4096)
     assert big[3].stats()["num_retractions"] == 0
@@ -590,15 +593,19 @@ def test_engine_generate_priority_keyword(tiny_tok_dir):
 
     eng = Engine(model=tiny_tok_dir, dtype="float32", kv_cache_memory="8MiB", max_running_requests=1,
                  schedule_policy="fcfs", num_threads=1)
-    seen: list[int] = []
-    orig = eng.core.scheduler._admit
+    seen: list[int] = []  # priorities in the order requests first appear in a plan (= admission order)
+    planned: set[str] = set()
+    orig = eng.core.runner.execute
 
-    def spy(budget):
-        out = orig(budget)
-        seen.extend(r.priority for r, _ in out)
-        return out
+    def spy(plan):
+        prio = {r.rid: r.priority for r in eng.core.scheduler.running}
+        for r in plan.requests:
+            if r.rid not in planned:
+                planned.add(r.rid)
+                seen.append(prio[r.rid])
+        return orig(plan)
 
-    eng.core.scheduler._admit = spy
+    eng.core.runner.execute = spy
     outs = eng.generate(["first in", "second in", "third in"], greedy(3), use_tqdm=False, priority=[0, 5, 1])
     assert [o.completion_tokens for o in outs] == [3, 3, 3]
     assert seen == [5, 1, 0]  # one running slot: admitted by priority, not by submission order

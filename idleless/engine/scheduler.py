@@ -311,12 +311,12 @@ class Scheduler:
             while accepted < len(proposed) and sampled[accepted] == proposed[accepted]:
                 accepted += 1
             base = rec.num_computed + sr.num_known
-            appended = 0
             for j in range(accepted + 1):
-                appended += 1
+                # KV holds the known tokens and the accepted proposed tokens appended so far (a finish
+                # releases the request inside _append_token, caching what is computed)
+                rec.num_computed = base + min(j + 1, accepted)
                 if self._append_token(rec, sampled[j], result.logprobs[i][j], result.top_logprobs[i][j]):
                     break
-            rec.num_computed = base + min(accepted, appended)
             if not rec.finished:
                 self.kv.truncate(rec, rec.num_computed)
                 if sr.num_known > 1:
