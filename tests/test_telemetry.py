@@ -20,7 +20,7 @@ import pytest
 from conftest import make_tiny_model
 
 from idleless.engine.request import Request, SamplingParams
-from idleless.telemetry.timing import BUCKETS, StepTracer, TimeAccount
+from idleless.telemetry.timing import BUCKETS, TimeAccount
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -103,7 +103,8 @@ def test_engine_core_loop_buckets(tiny_model):
 
     from idleless.config import EngineConfig
     from idleless.engine.core import EngineCore
-    from idleless.engine.core_process import AddRequest, ControlRequest, EngineCoreLoop
+    from idleless.engine.core_process import EngineCoreLoop
+    from idleless.engine.messages import AddRequest, ControlCall, GetStats, Shutdown
 
     core = EngineCore(EngineConfig(model=tiny_model, dtype="float32", kv_cache_memory="32MiB", num_threads=1))
     ctx = zmq.Context()
@@ -122,7 +123,7 @@ def test_engine_core_loop_buckets(tiny_model):
 
     def stats():
         cid = next(calls)
-        to_core.send(pickle.dumps(ControlRequest(cid, "stats")))
+        to_core.send(pickle.dumps(ControlCall(cid, GetStats())))
         while True:
             for msg in pickle.loads(from_core.recv()):
                 if getattr(msg, "call_id", None) == cid:
@@ -141,7 +142,7 @@ def test_engine_core_loop_buckets(tiny_model):
                     finished.add(out.rid)
         loaded, t_end = stats()
     finally:
-        to_core.send(pickle.dumps(ControlRequest(0, "shutdown")))
+        to_core.send(pickle.dumps(ControlCall(0, Shutdown())))
         th.join(30)
         for s in (to_core, core_pull, core_push, from_core):
             s.close(linger=0)

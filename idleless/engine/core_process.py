@@ -1,7 +1,8 @@
-"""The engine core: scheduler + model runner behind a message interface.
+"""The engine core as a process (the server's back end): ZMQ in, ``EngineCore.step()``, ZMQ out.
 
-``EngineCore`` is driven in-process by the offline ``Engine`` and, in its own process, by
-``run_engine_core`` (ZMQ in/out) for the server. It never sees text.
+``run_engine_core`` is the process's entry point; ``EngineCoreLoop`` its busy loop. The messages
+are in ``idleless.engine.messages``; the core itself (scheduler + model runner) in
+``idleless.engine.core``. It never sees text.
 """
 
 from __future__ import annotations
@@ -13,83 +14,46 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from idleless.config import EngineConfig
-from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
-from idleless.engine.core import EngineCore  # noqa: F401 - the loop drives it
+from idleless.engine.core import EngineCore
+from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, CoreFailed,
+                                      CoreReady, ErrorOutput, FlushCache, GetStats, PinPrefix, Ping, Shutdown,
+                                      UnpinPrefix)
+from idleless.engine.request import FinishReason, Request, RequestError
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class AddRequest:
-    request: Request
+class Reply:
+    """The one answer to a ``ControlCall``: a handler calls ``ok(result)`` or ``refuse(message)``,
+    now or from a later turn (a pin waits for its prefill). Answers after the first are ignored."""
+
+    def __init__(self, loop: "EngineCoreLoop", call_id: int):
+        self.loop = loop
+        self.call_id = call_id
+        self.answered = False
+        loop.open_calls[call_id] = self
+
+    def _send(self, reply: ControlReply) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        self.loop.open_calls.pop(self.call_id, None)
+        self.loop.pending.append(reply)
+
+    def ok(self, result: Any = None) -> None:
+        self._send(ControlReply(self.call_id, True, result))
+
+    def refuse(self, message: str) -> None:
+        """The engine declined (the caller's fault): code ``refused``."""
+        self._send(ControlReply(self.call_id, False, error=message, code="refused"))
+
+    def fail(self, message: str, code: str = "internal_error") -> None:
+        self._send(ControlReply(self.call_id, False, error=message, code=code))
 
 
-@dataclass
-class AbortRequest:
-    rid: str
-
-
-@dataclass
-class ControlRequest:
-    """Admin call answered by a ControlReply with the same ``call_id``: ``flush_cache``, ``stats``."""
-
-    call_id: int
-    kind: str
-    payload: dict = field(default_factory=dict)
-
-
-@dataclass
-class ControlReply:
-    call_id: int
-    ok: bool
-    result: Any = None
-    error: Optional[str] = None
-
-
-@dataclass
-class ErrorOutput(RequestOutput):
-    """The last (and only) output of a request the engine core refused or failed:
-    ``finish_reason`` is ``abort``, ``error`` the message; ``code`` / ``param`` as in RequestError
-    (``internal_error`` when the engine itself failed)."""
-
-    code: Optional[str] = None
-    param: Optional[str] = None
-
-
-@dataclass
-class CoreReady:
-    """First message of a started engine core: what the frontend needs to validate requests.
-
-    vocab_size: ids in [0, vocab_size) are valid; context_length and kv_slots are in tokens (a
-    request needs prompt + max_tokens <= min(context_length, kv_slots)); load_seconds: model load."""
-
-    pid: int
-    model_dir: str
-    dtype: str
-    vocab_size: int
-    context_length: int
-    kv_slots: int
-    page_size: int
-    max_running_requests: int
-    eos_token_ids: list[int]
-    load_seconds: float
-
-
-@dataclass
-class CoreFailed:
-    """Sent instead of CoreReady when the engine core cannot start (the process then exits 1)."""
-
-    message: str
-    traceback: str = ""
-
-
-# --------------------------------------------------------------------------------------------------
-# The engine core as a process (server): ZMQ in, ZMQ out
-# --------------------------------------------------------------------------------------------------
 class EngineCoreLoop:
     """The busy loop of the engine-core process.
 
@@ -97,13 +61,14 @@ class EngineCoreLoop:
     ``idle_poll_ms`` when idle), handle every message, run one ``EngineCore.step()``, and send
     everything produced in the turn (RequestOutputs, ControlReplies) as ONE pickled list.
 
-    Inbox messages (pickled): AddRequest, AbortRequest, ControlRequest. A message that cannot be
+    Inbox messages (pickled): AddRequest, AbortRequest, ControlCall. A message that cannot be
     unpickled, or a request the core refuses (RequestError) or fails on, never ends the loop: it is
     answered with an ``ErrorOutput`` for that rid (when there is one) and logged. An exception in
     ``step()`` aborts every request in the core with an ErrorOutput (code ``internal_error``) and
-    the loop goes on. Control kinds: ``ping`` -> "pong", ``stats``, ``flush_cache``,
-    ``add_eos_ids`` (payload ``{"ids": [...]}``: more ids that end generation, e.g. the tokenizer's),
-    ``shutdown`` (reply, abort what is left, leave the loop). The loop also ends when the parent process is gone.
+    the loop goes on. A ``ControlCall``'s verb is dispatched by its type through ``handlers`` (one
+    entry per verb; each handler answers through the ``Reply`` it is given, and an exception it raises
+    becomes a failed reply). ``Shutdown`` ends the loop after the turn (what is left is aborted and
+    reported); the loop also ends when the parent process is gone.
     """
 
     def __init__(self, core: EngineCore, pull, push, idle_poll_ms: int = 500, parent_check_s: float = 1.0):
@@ -114,10 +79,21 @@ class EngineCoreLoop:
         self.parent_check_s = parent_check_s
         self.pending: list = []
         self.running = True
+        self.open_calls: dict[int, Reply] = {}  # call_id -> Reply not answered yet (deferred pins)
         self._last_parent_check = time.monotonic()
+        self.handlers: dict[type, Callable[[Any, Reply], None]] = {
+            Ping: self._ping,
+            Shutdown: self._shutdown,
+            FlushCache: self._flush_cache,
+            GetStats: self._get_stats,
+            AddEosIds: self._add_eos_ids,
+            PinPrefix: self._pin_prefix,
+            UnpinPrefix: self._unpin_prefix,
+        }
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, data: bytes) -> None:
+        """Unpickle and handle one inbox message; never raises."""
         try:
             msg = pickle.loads(data)
         except Exception as e:  # noqa: BLE001 - a bad message must not end the loop
@@ -128,8 +104,8 @@ class EngineCoreLoop:
                 self._add(msg.request)
             elif isinstance(msg, AbortRequest):
                 self.core.abort(msg.rid)
-            elif isinstance(msg, ControlRequest):
-                self._control(msg)
+            elif isinstance(msg, ControlCall):
+                self._call(msg)
             else:
                 rid = getattr(getattr(msg, "request", msg), "rid", None)
                 log.error("engine core: unknown message type %s", type(msg).__name__)
@@ -157,22 +133,50 @@ class EngineCoreLoop:
             self.pending.append(ErrorOutput(req.rid, [], FinishReason.ABORT, error=f"bad request: {e}",
                                             code="invalid_request"))
 
-    def _control(self, msg: ControlRequest) -> None:
+    def _call(self, call: ControlCall) -> None:
+        reply = Reply(self, call.call_id)
+        handler = self.handlers.get(type(call.verb))
+        if handler is None:
+            reply.fail(f"unknown control verb {type(call.verb).__name__}", code="unknown_verb")
+            return
         try:
-            if msg.kind == "ping":
-                result = "pong"
-            elif msg.kind == "shutdown":
-                result = True
-                self.running = False
-            elif msg.kind == "add_eos_ids":
-                ids = {int(i) for i in msg.payload.get("ids", ())}
-                self.core.scheduler.eos_ids |= ids
-                result = sorted(self.core.scheduler.eos_ids)
+            handler(call.verb, reply)
+        except RequestError as e:
+            reply.refuse(e.message)
+        except Exception as e:  # noqa: BLE001 - a failed call must not end the loop
+            log.exception("engine core: %s failed", type(call.verb).__name__)
+            reply.fail(f"{type(e).__name__}: {e}")
+
+    # -- control verbs (one handler each) ------------------------------------------------------
+    def _ping(self, verb: Ping, reply: Reply) -> None:
+        reply.ok("pong")
+
+    def _shutdown(self, verb: Shutdown, reply: Reply) -> None:
+        self.running = False
+        reply.ok(True)
+
+    def _flush_cache(self, verb: FlushCache, reply: Reply) -> None:
+        reply.ok(self.core.flush_cache())
+
+    def _get_stats(self, verb: GetStats, reply: Reply) -> None:
+        reply.ok(self.core.stats())
+
+    def _add_eos_ids(self, verb: AddEosIds, reply: Reply) -> None:
+        reply.ok(self.core.add_eos_ids(int(i) for i in verb.ids))
+
+    def _pin_prefix(self, verb: PinPrefix, reply: Reply) -> None:
+        """Answered when the core calls ``done`` (at once, or from a later step after a prefill)."""
+
+        def done(tokens: Optional[int], error: Optional[str]) -> None:
+            if error is not None:
+                reply.refuse(error)
             else:
-                result = self.core.control(msg.kind, msg.payload)
-            self.pending.append(ControlReply(msg.call_id, True, result))
-        except Exception as e:  # noqa: BLE001
-            self.pending.append(ControlReply(msg.call_id, False, error=f"{type(e).__name__}: {e}"))
+                reply.ok(tokens)
+
+        self.core.pin_prefix(verb.pin_id, list(verb.input_ids), float(verb.ttl_s), done)
+
+    def _unpin_prefix(self, verb: UnpinPrefix, reply: Reply) -> None:
+        reply.ok(self.core.unpin_prefix(verb.pin_id))
 
     # -- loop ----------------------------------------------------------------------------------
     def _drain(self, timeout_ms: int) -> None:
@@ -201,6 +205,8 @@ class EngineCoreLoop:
         return parent is None or parent.is_alive()
 
     def _fail_all(self, why: str) -> None:
+        """Abort every request in the core and report each with an ErrorOutput (code
+        ``internal_error``); calls still waiting (pins being prefilled) fail with ``why``."""
         sched = self.core.scheduler
         rids = [r.rid for r in list(sched.waiting) + list(sched.running)]
         for rid in rids:
@@ -211,13 +217,15 @@ class EngineCoreLoop:
         try:
             self.core.step()  # collect (and drop) the abort outputs; the ErrorOutputs replace them
         except Exception:  # noqa: BLE001
-            sched._outputs = []
+            sched.take_outputs()
         try:  # a failed step may have left uncomputed KV in the tree: drop it
-            self.core.control("flush_cache")
+            self.core.flush_cache()
         except Exception:  # noqa: BLE001
             log.exception("engine core: flush_cache after a failure failed")
         for rid in rids:
             self.pending.append(ErrorOutput(rid, [], FinishReason.ABORT, error=why, code="internal_error"))
+        for reply in list(self.open_calls.values()):
+            reply.fail(why)
 
     def run(self) -> None:
         # Wall-time buckets (idleless.telemetry.timing): waiting for a message with nothing to do is
@@ -247,9 +255,11 @@ class EngineCoreLoop:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             self._flush()
             clock.mark("io")
-        # shutdown: whatever is left is aborted and reported
+        # shutdown: whatever is left is aborted and reported, and every call still open is answered
         if self.core.has_work():
             self._fail_all("the server is shutting down")
+        for reply in list(self.open_calls.values()):
+            reply.fail("the engine core is shutting down")
         self._flush()
 
 
@@ -258,11 +268,11 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
 
     Connects a PULL socket to ``in_addr`` (messages from the frontend) and a PUSH socket to
     ``out_addr`` (lists of RequestOutput / ControlReply), loads the model, sends ``[CoreReady]``
-    (or ``[CoreFailed]`` and exits 1), then runs ``EngineCoreLoop`` until a ``shutdown`` control
-    call or the parent's death. ``extra_eos_ids``: more ids that end generation (the tokenizer's,
+    (or ``[CoreFailed]`` and exits 1), then runs ``EngineCoreLoop`` until a ``Shutdown`` call or
+    the parent's death. ``extra_eos_ids``: more ids that end generation (the tokenizer's,
     as the offline Engine adds them). SIGINT and SIGTERM are ignored: a signal to the whole process
     group (Ctrl-C, systemd, ``timeout``) reaches the core too, and the frontend drives the shutdown
-    (drain, then ``shutdown``; SIGKILL if the core lingers; the core also leaves when its parent dies).
+    (drain, then ``Shutdown``; SIGKILL if the core lingers; the core also leaves when its parent dies).
     """
     import zmq
 
@@ -278,13 +288,13 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
     push.connect(out_addr)
     try:
         core = EngineCore(config)
-        core.scheduler.eos_ids |= set(int(i) for i in extra_eos_ids)
+        eos_ids = core.add_eos_ids(int(i) for i in extra_eos_ids)
         r = core.runner
         ready = CoreReady(pid=os.getpid(), model_dir=str(r.model_dir), dtype=str(r.dtype).replace("torch.", ""),
                           vocab_size=int(r.model_config.vocab_size), context_length=int(r.context_length),
                           kv_slots=int(r.pool.num_slots), page_size=int(config.page_size),
                           max_running_requests=int(config.max_running_requests),
-                          eos_token_ids=sorted(core.scheduler.eos_ids),
+                          eos_token_ids=list(eos_ids),
                           load_seconds=float(getattr(r, "load_seconds", 0.0)))
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the frontend
         log.error("engine core failed to start: %s", e)

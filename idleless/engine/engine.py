@@ -13,7 +13,6 @@ at once: whichever thread steps the engine dispatches outputs to their owners.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import uuid
 from dataclasses import replace
@@ -21,8 +20,8 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
-from idleless.engine.request import Request, RequestError, RequestOutput, SamplingParams
-from idleless.text.output import CompletionDelta, CompletionOutput, RequestState
+from idleless.engine.request import RequestError, RequestOutput, SamplingParams
+from idleless.text.output import CompletionDelta, CompletionOutput, RequestState, fan_out
 from idleless.telemetry.timing import LoopReporter
 from idleless.text.tokenizer import Tokenizer
 
@@ -53,10 +52,9 @@ class Engine:
         mc = self.core.runner.model_config
         self.tokenizer = Tokenizer.load(config.tokenizer or self.core.runner.model_dir,
                                         extra_eos_ids=mc.eos_token_ids)
-        self.core.scheduler.eos_ids |= set(self.tokenizer.eos_token_ids)
+        self.core.add_eos_ids(self.tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._handlers: dict[str, Callable[[RequestOutput], None]] = {}
-        self._ids = itertools.count()
         self._wake = threading.Event()
         self._loop_thread: Optional[threading.Thread] = None
         self._reporter = LoopReporter()
@@ -86,28 +84,25 @@ class Engine:
                            f"got {type(prompt).__name__}", param="prompt")
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, handler_for, priority: int = 0) -> list[RequestState]:
-        """Queue n requests for one prompt; all or none (RequestError leaves nothing queued).
-        ``priority``: higher goes first in every schedule policy and is retracted last."""
-        base = uuid.uuid4().hex[:12]
-        states: list[RequestState] = []
+        """Queue the n choices of one prompt (``idleless.text.output.fan_out``, as the server does);
+        all or none (RequestError leaves nothing queued). ``priority``: higher goes first in every
+        schedule policy and is retracted last."""
+        choices = fan_out(uuid.uuid4().hex[:12], [prompt_ids], params, self.tokenizer, priority)
+        queued: list[RequestState] = []
         with self._lock:
             try:
-                for i in range(params.n):
-                    p = replace(params, n=1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                                seed=None if params.seed is None else params.seed + i)
-                    rid = f"{base}-{i}"
-                    st = RequestState(rid, i, self.tokenizer, prompt_ids, p)
-                    self._handlers[rid] = handler_for(st)
-                    self.core.add_request(Request(rid, list(prompt_ids), p, priority=int(priority)))
-                    states.append(st)
+                for st, req in choices:
+                    self._handlers[st.rid] = handler_for(st)
+                    self.core.add_request(req)
+                    queued.append(st)
             except Exception:
-                for st in states:
+                for st in queued:
                     self.core.abort(st.rid)
-                for i in range(len(states) + 1):
-                    self._handlers.pop(f"{base}-{i}", None)
+                for st, _ in choices:
+                    self._handlers.pop(st.rid, None)
                 raise
         self._wake.set()
-        return states
+        return queued
 
     # -- stepping ----------------------------------------------------------------------------
     def _step_once(self) -> bool:
@@ -254,7 +249,7 @@ class Engine:
             result["n"], result["err"] = n, err
 
         with self._lock:
-            self.core.scheduler.pin_prefix(pin_id or uuid.uuid4().hex[:12], ids, ttl, done)
+            self.core.pin_prefix(pin_id or uuid.uuid4().hex[:12], ids, ttl, done)
         self._wake.set()
         while not result:
             if not self._step_once():
@@ -266,9 +261,9 @@ class Engine:
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin early; False if unknown."""
         with self._lock:
-            return self.core.scheduler.cache.unpin(pin_id)
+            return self.core.unpin_prefix(pin_id)
 
     def flush_cache(self) -> bool:
         """Empty the radix cache (False while requests run)."""
         with self._lock:
-            return self.core.control("flush_cache")
+            return self.core.flush_cache()

@@ -5,9 +5,11 @@
     sub = client.submit([prompt_ids], params)          # n engine requests per prompt
     async for delta in sub: ...                        # CompletionDelta, any choice, in order
     sub.close()                                        # aborts what is unfinished (client gone)
+    stats = await client.call(GetStats())              # any control verb (idleless.engine.messages)
+    tokens = await client.pin_prefix(ids, ttl_s=600, pin_id="sys")   # also tracks the pinned total
 
 Transport: two ZMQ PUSH/PULL pipes over ``ipc://`` sockets in a private (0700) temporary
-directory, pickled messages (``idleless.engine.core_process``). The frontend binds both ends; the
+directory, pickled messages (``idleless.engine.messages``). The frontend binds both ends; the
 core connects. One reader task routes each ``RequestOutput`` by rid to its ``RequestState``
 (incremental detokenization + stop strings) and puts the resulting ``CompletionDelta`` on the
 owning submission's asyncio queue; a stop-string match sends an ``AbortRequest`` so the engine
@@ -21,7 +23,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import shutil
 import tempfile
@@ -34,10 +35,13 @@ import zmq
 import zmq.asyncio
 
 from idleless.config import EngineConfig
-from idleless.engine.core_process import (AbortRequest, AddRequest, ControlReply, ControlRequest, CoreFailed,
-                                          CoreReady, ErrorOutput, run_engine_core)
-from idleless.engine.request import Request, RequestError, RequestOutput, SamplingParams
-from idleless.text.output import CompletionDelta, CompletionOutput, RequestState
+from idleless.engine.admission import AdmissionLimits, check_request
+from idleless.engine.core_process import run_engine_core
+from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, ControlVerb,
+                                      CoreFailed, CoreReady, ErrorOutput, FlushCache, PinPrefix, Ping, Shutdown,
+                                      UnpinPrefix)
+from idleless.engine.request import RequestError, RequestOutput, SamplingParams
+from idleless.text.output import CompletionDelta, CompletionOutput, RequestState, fan_out
 from idleless.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,15 @@ class EngineDeadError(RuntimeError):
 
 class Overloaded(RuntimeError):
     """Admitting the request would exceed the in-flight limit (the server answers 503)."""
+
+
+class CallRefused(RuntimeError):
+    """The engine core declined a control call (``ControlReply.code == "refused"``): the caller's
+    fault, e.g. a pin over the pinned budget or with the prefix cache disabled (the server answers 400)."""
+
+
+class CallFailed(RuntimeError):
+    """A control call failed inside the engine core (an unknown verb or an internal error)."""
 
 
 @dataclass
@@ -118,8 +131,9 @@ class EngineClient:
     """Owns the engine-core process and the ZMQ pipes; see the module docstring.
 
     Attributes after ``start``: ``info`` (CoreReady: vocab_size, context_length, kv_slots, dtype,
-    load_seconds, ...), ``tokenizer``, ``limit_tokens`` = min(context_length, kv_slots): a request
-    needs prompt + max_tokens <= limit_tokens. ``max_inflight``: engine requests (choices) admitted
+    load_seconds, ...), ``tokenizer``, ``limit_tokens`` = min(context_length, kv_slots), the most
+    tokens (prompt + output) any request can have; pinned prefixes lower it (``limits``).
+    ``max_inflight``: engine requests (choices) admitted
     at once = max_running_requests + max_queued_requests (so at most max_queued_requests wait while
     the running batch is full); ``submit`` beyond it raises Overloaded (the server's 503).
     """
@@ -139,6 +153,7 @@ class EngineClient:
         self._tracks: dict[str, _Track] = {}
         self._subs: set[Submission] = set()
         self._calls: dict[int, asyncio.Future] = {}
+        self._pins: dict[str, tuple[int, float]] = {}  # pin id -> (tokens, expiry in time.monotonic() s)
         self._call_ids = itertools.count(1)
         self._last_heard = 0.0
         self._tasks: list[asyncio.Task] = []
@@ -183,7 +198,7 @@ class EngineClient:
                            asyncio.create_task(self._watchdog(), name="engine-watchdog")]
             extra = sorted(set(self.tokenizer.eos_token_ids) - set(self.info.eos_token_ids))
             if extra:
-                await self.control("add_eos_ids", {"ids": extra}, timeout=60)
+                await self.call(AddEosIds(tuple(extra)), timeout=60)
             return self
         except BaseException:
             await self.shutdown(timeout=5)
@@ -205,7 +220,7 @@ class EngineClient:
         raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core (``shutdown`` control call, then SIGKILL if it lingers: it ignores SIGTERM) and close
+        """Stop the core (a ``Shutdown`` call, then SIGKILL if it lingers: it ignores SIGTERM) and close
         the pipes. Idempotent. In-flight submissions get EngineDeadError."""
         if self.stopping and self.proc is None:
             return
@@ -213,7 +228,7 @@ class EngineClient:
         proc = self.proc
         if proc is not None and proc.is_alive() and self.info is not None and not self.dead:
             try:
-                await self.control("shutdown", timeout=timeout)
+                await self.call(Shutdown(), timeout=timeout)
             except Exception:  # noqa: BLE001
                 pass
         if proc is not None:
@@ -334,34 +349,29 @@ class EngineClient:
     def limit_tokens(self) -> int:
         return min(self.info.context_length, self.info.kv_slots)
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """What the scheduler would refuse, checked here (nothing is sent): empty prompt, ids outside
-        [0, vocab_size), bad sampling values (SamplingParams.validate), prompt or prompt +
-        max_new_tokens over ``limit_tokens`` (code ``context_length_exceeded``). Raises RequestError."""
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens pinned through this client and not yet expired, unpinned or flushed."""
+        now = time.monotonic()
+        for pin_id in [p for p, (_, until) in self._pins.items() if until <= now]:
+            del self._pins[pin_id]
+        return sum(n for n, _ in self._pins.values())
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        """The engine's admission limits as this frontend knows them (pins included)."""
         info = self.info
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty", param="prompt", code="invalid_prompt")
-        for t in prompt_ids:
-            if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < info.vocab_size):
-                raise RequestError(f"prompt token id {t!r} is outside the vocabulary [0, {info.vocab_size})",
-                                   param="prompt", code="invalid_prompt")
-        params.validate(info.vocab_size)
-        limit = self.limit_tokens
-        if n >= limit:
-            raise RequestError(f"the prompt has {n} tokens; this server accepts at most {limit - 1} prompt "
-                               f"tokens (context length {info.context_length}, KV pool {info.kv_slots} tokens)",
-                               param="prompt", code="context_length_exceeded")
-        if params.max_new_tokens is not None and n + params.max_new_tokens > limit:
-            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_new_tokens}) = "
-                               f"{n + params.max_new_tokens} exceeds the limit of {limit} tokens "
-                               f"(context length {info.context_length}, KV pool {info.kv_slots} tokens)",
-                               param="max_tokens", code="context_length_exceeded")
+        return AdmissionLimits(info.vocab_size, info.context_length, info.kv_slots, self.pinned_tokens)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The engine's own admission rule (``idleless.engine.admission.check_request``), checked here
+        so nothing doomed is sent. Returns the effective max_new_tokens; raises RequestError."""
+        return check_request(prompt_ids, params, self.limits)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
-        """Queue ``params.n`` engine requests per prompt (choice i gets seed + i, as the offline
-        Engine does). All or nothing. Raises RequestError (check_request, first), EngineDeadError,
-        Overloaded (in-flight limit, or draining after SIGTERM)."""
+        """Queue ``params.n`` engine requests per prompt (``idleless.text.output.fan_out``, as the
+        offline Engine does). All or nothing. Raises RequestError (check_request, first),
+        EngineDeadError, Overloaded (in-flight limit, or draining after SIGTERM)."""
         if self.dead or self.stopping:
             raise EngineDeadError("the engine core is not running")
         if self.draining:
@@ -377,24 +387,15 @@ class EngineClient:
         if self.num_inflight + count > self.max_inflight:
             raise Overloaded(f"{self.num_inflight} requests in flight; the limit is {self.max_inflight} "
                              f"(--max-running-requests + --max-queued-requests)")
-        base = uuid.uuid4().hex[:16]
         now = time.monotonic()
-        states: list[RequestState] = []
-        reqs: list[Request] = []
-        for pi, ids in enumerate(prompts):
-            for i in range(n):
-                p = replace(params, n=1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                            seed=None if params.seed is None else params.seed + i)
-                rid = f"{base}-{pi}-{i}"
-                states.append(RequestState(rid, pi * n + i, self.tokenizer, ids, p))
-                reqs.append(Request(rid, list(ids), p))
-        sub = Submission(self, states, now)
-        for st, req in zip(states, reqs):
+        choices = fan_out(uuid.uuid4().hex[:16], prompts, params, self.tokenizer)
+        sub = Submission(self, [st for st, _ in choices], now)
+        for st, _ in choices:
             self._tracks[st.rid] = _Track(st, sub, now)
         self._subs.add(sub)
         self.num_inflight += count
         try:
-            for req in reqs:
+            for _, req in choices:
                 self._send(AddRequest(req))
         except EngineDeadError:
             sub.close()
@@ -418,21 +419,51 @@ class EngineClient:
             st.finish_reason = st.finish_reason or "abort"
             self._untrack(st.rid, tr, now)
 
-    # -- admin ---------------------------------------------------------------------------------
-    async def control(self, kind: str, payload: Optional[dict] = None, timeout: float = 10.0) -> Any:
-        """A control call (``ping``, ``stats``, ``flush_cache``, ``add_eos_ids``, ``shutdown``) and
-        its result. Raises EngineDeadError, asyncio.TimeoutError, RuntimeError (the core's error)."""
+    # -- control calls -------------------------------------------------------------------------
+    async def call(self, verb: ControlVerb, timeout: float = 10.0) -> Any:
+        """Send one control verb (``idleless.engine.messages``: Ping, GetStats, FlushCache, PinPrefix,
+        ...) and return its result. Raises EngineDeadError, asyncio.TimeoutError, CallRefused (the
+        engine declined), CallFailed (unknown verb or an error inside the engine)."""
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(ControlRequest(call_id, kind, payload or {}))
+            self._send(ControlCall(call_id, verb))
             reply: ControlReply = await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
         if not reply.ok:
-            raise RuntimeError(reply.error)
+            raise (CallRefused if reply.code == "refused" else CallFailed)(reply.error)
         return reply.result
+
+    async def flush_cache(self, timeout: float = 30.0) -> bool:
+        """Empty the engine's prefix cache, pins included; False while requests run or wait."""
+        ok = await self.call(FlushCache(), timeout=timeout)
+        if ok:
+            self._pins.clear()
+        return ok
+
+    async def pin_prefix(self, input_ids: list[int], ttl_s: float, pin_id: Optional[str] = None,
+                         timeout: float = 600.0) -> tuple[str, int]:
+        """Pin ``input_ids``' KV in the engine's prefix cache for ``ttl_s`` seconds (prefilled first
+        when not cached, so this may take a step or several). Returns (pin id, tokens pinned: the ids
+        cut to whole KV pages); the pin counts against ``limits`` until it expires or is unpinned.
+        Raises RequestError (the ids are not a servable prompt: ``check_request``'s rule, or ttl_s
+        <= 0), CallRefused (prefix cache disabled, pinned budget exceeded), EngineDeadError."""
+        if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool) and 0 < ttl_s < float("inf")):
+            raise RequestError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}", param="ttl_s",
+                               code="invalid_value")
+        self.check_request(input_ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+        pin_id = pin_id or uuid.uuid4().hex[:16]
+        tokens = await self.call(PinPrefix(tuple(input_ids), float(ttl_s), pin_id), timeout=timeout)
+        self._pins[pin_id] = (int(tokens), time.monotonic() + float(ttl_s))
+        return pin_id, int(tokens)
+
+    async def unpin_prefix(self, pin_id: str, timeout: float = 10.0) -> bool:
+        """Release a pin early; False if the engine does not know ``pin_id`` (expired, flushed, never made)."""
+        found = await self.call(UnpinPrefix(pin_id), timeout=timeout)
+        self._pins.pop(pin_id, None)
+        return found
 
     async def healthy(self, timeout: float = 5.0) -> bool:
         """True when the core answers: it sent something in the last second, or answers a ping
@@ -442,7 +473,7 @@ class EngineClient:
         if time.monotonic() - self._last_heard < 1.0:
             return True
         try:
-            await self.control("ping", timeout=timeout)
+            await self.call(Ping(), timeout=timeout)
             return True
         except Exception:  # noqa: BLE001
             return False

@@ -393,6 +393,27 @@ class DetokenizeRequest(_Lenient):
     tokens: list[int]
 
 
+DEFAULT_PIN_TTL_S = 600.0
+MAX_PIN_ID_LEN = 256
+
+
+class PinPrefixRequest(_Lenient):
+    """POST /pin_prefix: keep a prefix's KV in the prefix cache for ``ttl_s`` seconds. Exactly one of
+    ``text`` (tokenized as a completion prompt is) and ``input_ids``; ``pin_id`` names the pin
+    (re-pinning an id replaces its pin; default: a new id)."""
+
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+    ttl_s: float = DEFAULT_PIN_TTL_S
+    pin_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PIN_ID_LEN)
+
+
+class UnpinPrefixRequest(_Lenient):
+    """POST /unpin_prefix: release the pin ``pin_id`` before its TTL runs out."""
+
+    pin_id: str = Field(min_length=1, max_length=MAX_PIN_ID_LEN)
+
+
 # ------------------------------------------------------------------------------------------------
 # Responses
 # ------------------------------------------------------------------------------------------------

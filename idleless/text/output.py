@@ -1,16 +1,17 @@
 """Frontend-side request state: engine token deltas -> text deltas and final outputs.
 
-Used alike by the offline ``Engine`` and the HTTP server: each consumes ``RequestOutput`` messages
-from the engine core, detokenizes incrementally, applies stop strings (asking the caller to abort
+Used alike by the offline ``Engine`` and the HTTP server: ``fan_out`` turns prompts with ``n``
+choices into engine requests, and each choice's ``RequestState`` consumes the ``RequestOutput``
+messages of its request, detokenizes incrementally, applies stop strings (asking the caller to abort
 the engine request when one matches) and keeps the usage counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
 
-from idleless.engine.request import FinishReason, RequestOutput, SamplingParams
+from idleless.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from idleless.text.tokenizer import TextStream, Tokenizer
 
 
@@ -121,3 +122,23 @@ class RequestState:
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
             completion_tokens=len(self.token_ids), logprobs=self.logprobs, top_logprobs=self.top_logprobs,
             prompt_token_ids=list(self.prompt_ids), error=self.error)
+
+
+def fan_out(base: str, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Tokenizer,
+            priority: int = 0) -> list[tuple[RequestState, Request]]:
+    """The engine requests of one call: ``params.n`` choices per prompt, each its own request.
+
+    Choice i of prompt p gets rid ``f"{base}-{p}-{i}"``, index ``p * n + i`` (OpenAI's numbering of
+    choices over a list of prompts) and a copy of ``params`` with ``n = 1`` and ``seed + i`` (when
+    seeded, so choices differ yet each is reproducible). Returns (state, request) pairs in index
+    order; nothing is sent or queued here."""
+    n = params.n
+    out: list[tuple[RequestState, Request]] = []
+    for pi, ids in enumerate(prompts):
+        for i in range(n):
+            p = replace(params, n=1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                        seed=None if params.seed is None else params.seed + i)
+            rid = f"{base}-{pi}-{i}"
+            out.append((RequestState(rid, pi * n + i, tokenizer, list(ids), p),
+                        Request(rid, list(ids), p, priority=int(priority))))
+    return out

@@ -1,0 +1,164 @@
+"""The messages between the server's frontend and the engine-core process (pickled over ZMQ).
+
+Frontend -> core:
+  ``AddRequest``, ``AbortRequest``: requests in and out of the engine;
+  ``ControlCall(call_id, verb)``: one control verb, answered by exactly one ``ControlReply`` with the
+  same ``call_id``. Each verb is its own frozen dataclass (a ``ControlVerb``); the engine-core loop
+  dispatches on its type through one handler table (``core_process.EngineCoreLoop.handlers``).
+Core -> frontend (one pickled list per loop turn):
+  ``RequestOutput`` / ``ErrorOutput`` per request, ``ControlReply``, and once at start-up
+  ``CoreReady`` or ``CoreFailed``.
+
+A new verb (update weights, pause, continue, load report, ...) is a new ``ControlVerb`` subclass here
+plus one entry in the loop's handler table; the frontend sends it with ``EngineClient.call(verb)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from idleless.engine.request import Request, RequestOutput
+
+
+# --------------------------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue ``request`` in the engine. A refusal comes back as an ``ErrorOutput`` for its rid."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort the request ``rid`` (unknown rids are ignored); its last output has finish_reason ``abort``."""
+
+    rid: str
+
+
+@dataclass
+class ErrorOutput(RequestOutput):
+    """The last (and only) output of a request the engine core refused or failed:
+    ``finish_reason`` is ``abort``, ``error`` the message; ``code`` / ``param`` as in RequestError
+    (``internal_error`` when the engine itself failed)."""
+
+    code: Optional[str] = None
+    param: Optional[str] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# control verbs: one frozen dataclass each; the reply's ``result`` is named in each docstring
+# --------------------------------------------------------------------------------------------------
+class ControlVerb:
+    """Base class of the control verbs (a marker: the loop's handler table is keyed by the subclass)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Ping(ControlVerb):
+    """Liveness check, answered after the current step. Result: ``"pong"``."""
+
+
+@dataclass(frozen=True)
+class Shutdown(ControlVerb):
+    """Leave the loop after this turn; what is still queued or running is aborted and reported.
+    Result: ``True``."""
+
+
+@dataclass(frozen=True)
+class FlushCache(ControlVerb):
+    """Empty the prefix cache, pins included. Result: ``True``, or ``False`` while requests run or wait."""
+
+
+@dataclass(frozen=True)
+class GetStats(ControlVerb):
+    """Engine counters. Result: ``EngineCore.stats()``'s dict (tokens, seconds, ``kv``, ``time``)."""
+
+
+@dataclass(frozen=True)
+class AddEosIds(ControlVerb):
+    """More token ids that end generation (e.g. the tokenizer's). Result: every eos id now, sorted."""
+
+    ids: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "ids", tuple(self.ids))
+
+
+@dataclass(frozen=True)
+class PinPrefix(ControlVerb):
+    """Keep the KV of ``input_ids`` in the prefix cache for ``ttl_s`` seconds under ``pin_id``
+    (prefilling it first when it is not cached; re-pinning an id replaces its pin). Answered once
+    the pin is made, possibly several steps later. Result: the pinned token count (``input_ids``
+    cut to whole KV pages). Refused (``ControlReply.code == "refused"``) when the prefix cache is
+    disabled, the pinned budget would be exceeded, or the ids are not a valid prompt."""
+
+    input_ids: tuple[int, ...]
+    ttl_s: float
+    pin_id: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "input_ids", tuple(self.input_ids))
+
+
+@dataclass(frozen=True)
+class UnpinPrefix(ControlVerb):
+    """Release the pin ``pin_id`` early. Result: ``True``, or ``False`` if the id is unknown (never
+    pinned, expired, or flushed)."""
+
+    pin_id: str
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """Envelope of one control verb; ``call_id`` (unique per frontend) pairs it with its reply."""
+
+    call_id: int
+    verb: ControlVerb
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    """The answer to ``ControlCall(call_id, ...)``. ``ok``: the verb ran and ``result`` is its value.
+    Otherwise ``error`` says why and ``code`` what kind of failure: ``refused`` (the engine declined:
+    the caller's fault, e.g. over the pinned budget), ``unknown_verb``, ``internal_error``."""
+
+    call_id: int
+    ok: bool
+    result: Any = None
+    error: Optional[str] = None
+    code: Optional[str] = None
+
+
+# --------------------------------------------------------------------------------------------------
+# start-up
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CoreReady:
+    """First message of a started engine core: what the frontend needs to validate requests.
+
+    vocab_size: ids in [0, vocab_size) are valid; context_length and kv_slots are in tokens (a
+    request needs prompt + max_tokens <= min(context_length, kv_slots - pinned tokens));
+    load_seconds: model load."""
+
+    pid: int
+    model_dir: str
+    dtype: str
+    vocab_size: int
+    context_length: int
+    kv_slots: int
+    page_size: int
+    max_running_requests: int
+    eos_token_ids: list[int]
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """Sent instead of CoreReady when the engine core cannot start (the process then exits 1)."""
+
+    message: str
+    traceback: str = ""

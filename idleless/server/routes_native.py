@@ -1,0 +1,96 @@
+"""Native routes: POST /generate (token ids in and out), POST /v1/tokenize, POST /v1/detokenize
+(also at /tokenize and /detokenize)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from idleless.server.asgi import sse
+from idleless.server.context import ServerContext
+from idleless.server.logprobs import clamp_logprob
+from idleless.server.protocol import APIError, DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_request
+from idleless.server.streaming import answer
+from idleless.text.output import CompletionDelta, CompletionOutput
+
+
+def _meta(rid, reason, matched, prompt, cached, completion, logprobs=None, ids=None) -> dict:
+    m = {"id": rid, "finish_reason": None if reason is None else {"type": reason, "matched": matched},
+         "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+    if logprobs is not None:
+        m["output_token_logprobs"] = [[clamp_logprob(a), b] for a, b in zip(logprobs, ids)]
+    return m
+
+
+def _generate_result(o: CompletionOutput) -> dict:
+    return {"index": o.index, "text": o.text, "output_ids": o.token_ids,
+            "meta_info": _meta(o.rid, o.finish_reason, o.matched_stop, o.prompt_tokens, o.cached_tokens,
+                               o.completion_tokens, o.logprobs, o.token_ids)}
+
+
+class GenerateStream:
+    """/generate's stream: each delta in the shape of a whole result (text, output_ids, meta_info)."""
+
+    def opening(self) -> Iterable[str]:
+        return ()
+
+    def delta(self, d: CompletionDelta) -> Optional[str]:
+        return sse({"index": d.index, "text": d.text, "output_ids": d.token_ids,
+                    "meta_info": _meta(d.rid, d.finish_reason, d.matched_stop, d.prompt_tokens, d.cached_tokens,
+                                       d.completion_tokens, d.logprobs, d.token_ids)})
+
+    def closing(self) -> Iterable[str]:
+        return ()
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    """Add the native routes to ``app``."""
+    client, tok = ctx.client, ctx.tok
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        """Native generation: ``{"input_ids": [...]} | {"text": "..."}, "sampling_params": {...},
+        "stream": bool}`` -> ``{"text", "output_ids", "meta_info"}`` (a list of those when n > 1);
+        streamed as SSE deltas of the same shape, then ``data: [DONE]``."""
+        req = parse_request(GenerateRequest, await ctx.read_json(request))
+        if (req.input_ids is None) == (req.text is None):
+            raise APIError(400, "give exactly one of input_ids and text", param="input_ids", code="invalid_value")
+        try:
+            params = req.params()
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"bad sampling_params: {e}", param="sampling_params", code="invalid_value") from None
+        ids = list(req.input_ids) if req.input_ids is not None else await ctx.encode(req.text, "text")
+        sub = ctx.submit([ids], params)
+
+        def full(outs):
+            res = [_generate_result(o) for o in outs]
+            return JSONResponse(res[0] if len(res) == 1 else res)
+
+        return await answer(request, sub, bool(req.stream), full, GenerateStream)
+
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_request(TokenizeRequest, await ctx.read_json(request))
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
+        if req.messages is not None:
+            ids = await ctx.render_chat([m.to_template() for m in req.messages],
+                                        add_generation_prompt=bool(req.add_generation_prompt))
+        else:
+            ids = await ctx.encode(req.prompt, "prompt", bool(req.add_special_tokens))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": client.limit_tokens})
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_request(DetokenizeRequest, await ctx.read_json(request))
+        ctx.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < client.info.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {client.info.vocab_size})",
+                           param="tokens", code="invalid_value")
+        return JSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})

@@ -1,0 +1,191 @@
+"""OpenAI routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}]."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable, Iterable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from idleless.server.asgi import sse
+from idleless.server.context import ServerContext
+from idleless.server.engine_client import Submission
+from idleless.server.logprobs import chat_logprobs, completion_logprobs
+from idleless.server.protocol import (MAX_PROMPTS, APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice,
+                                      CompletionChunk, CompletionRequest, CompletionResponse, CompletionStreamChoice,
+                                      DeltaMessage, ModelCard, ModelList, parse_request)
+from idleless.server.streaming import answer, usage_of
+from idleless.text.output import CompletionDelta
+from idleless.text.tokenizer import Tokenizer
+
+
+def _json(model) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+class ChatStream:
+    """Chat completion chunks: an assistant role delta per choice first, then content deltas with
+    their logprobs; usage per chunk (``continuous_usage_stats``) and/or at the end (``include_usage``)."""
+
+    def __init__(self, tok: Tokenizer, sub: Submission, n: int, rid: str, model: str, fingerprint: str,
+                 include_usage: bool, continuous_usage: bool):
+        self.tok, self.sub, self.n = tok, sub, n
+        self.rid, self.model, self.fingerprint = rid, model, fingerprint
+        self.created = int(time.time())
+        self.include_usage, self.continuous = include_usage, continuous_usage
+
+    def _chunk(self, choices, usage=None) -> str:
+        return sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                       system_fingerprint=self.fingerprint, choices=choices, usage=usage))
+
+    def opening(self) -> Iterable[str]:
+        for st in self.sub.states:
+            yield self._chunk([ChatStreamChoice(index=st.index, delta=DeltaMessage(role="assistant", content=""))])
+
+    def delta(self, d: CompletionDelta) -> Optional[str]:
+        lps = chat_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs)
+        if not d.text and d.finish_reason is None and lps is None:
+            return None
+        c = ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None) if d.text else DeltaMessage(),
+                             logprobs=lps, finish_reason=d.finish_reason, matched_stop=d.matched_stop)
+        return self._chunk([c], usage_of(self.sub, self.n) if self.include_usage and self.continuous else None)
+
+    def closing(self) -> Iterable[str]:
+        if self.include_usage:
+            yield self._chunk([], usage_of(self.sub, self.n))
+
+
+class CompletionStream:
+    """Text completion chunks: the echoed prompt per choice first (``echo_of(index)``, None without
+    echo), then text deltas with their logprobs (``text_offset`` counted per choice); usage as in
+    ChatStream."""
+
+    def __init__(self, tok: Tokenizer, sub: Submission, n: int, rid: str, model: str, fingerprint: str,
+                 include_usage: bool, continuous_usage: bool, echo_of: Optional[Callable[[int], str]]):
+        self.tok, self.sub, self.n = tok, sub, n
+        self.rid, self.model, self.fingerprint = rid, model, fingerprint
+        self.created = int(time.time())
+        self.include_usage, self.continuous = include_usage, continuous_usage
+        self.echo_of = echo_of
+        self.offsets = {st.index: 0 for st in sub.states}  # characters sent so far, per choice
+
+    def _chunk(self, choices, usage=None) -> str:
+        return sse(CompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                   system_fingerprint=self.fingerprint, choices=choices, usage=usage))
+
+    def opening(self) -> Iterable[str]:
+        if self.echo_of is None:
+            return
+        for st in self.sub.states:
+            e = self.echo_of(st.index)
+            self.offsets[st.index] = len(e)
+            yield self._chunk([CompletionStreamChoice(index=st.index, text=e)])
+
+    def delta(self, d: CompletionDelta) -> Optional[str]:
+        lps, self.offsets[d.index] = completion_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs,
+                                                         self.offsets[d.index])
+        if lps is None:
+            self.offsets[d.index] += len(d.text)
+        if not d.text and d.finish_reason is None and lps is None:
+            return None
+        c = CompletionStreamChoice(index=d.index, text=d.text, logprobs=lps, finish_reason=d.finish_reason,
+                                   matched_stop=d.matched_stop)
+        return self._chunk([c], usage_of(self.sub, self.n) if self.include_usage and self.continuous else None)
+
+    def closing(self) -> Iterable[str]:
+        if self.include_usage:
+            yield self._chunk([], usage_of(self.sub, self.n))
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    """Add the OpenAI routes to ``app``."""
+    settings, tok = ctx.settings, ctx.tok
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await ctx.read_json(request))
+        model = ctx.check_model(req.model)
+        params = req.sampling_params()
+        msgs = [m.to_template() for m in req.messages]
+        kwargs = {"add_generation_prompt": bool(req.add_generation_prompt)}
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        ids = await ctx.render_chat(msgs, **kwargs)
+        sub = ctx.submit([ids], params)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fp = settings.system_fingerprint
+
+        def full(outs):
+            choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
+                                  logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs),
+                                  finish_reason=o.finish_reason, matched_stop=o.matched_stop) for o in outs]
+            return _json(ChatCompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
+                                                usage=usage_of(sub, params.n)))
+
+        return await answer(request, sub, bool(req.stream), full, lambda: ChatStream(
+            tok, sub, params.n, rid, model, fp, req.include_usage, req.continuous_usage))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await ctx.read_json(request))
+        model = ctx.check_model(req.model)
+        params = req.sampling_params()
+        p = req.prompt
+        if isinstance(p, str):
+            texts, prompts = [p], [await ctx.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            if len(p) > MAX_PROMPTS:
+                raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt",
+                               code="invalid_value")
+            texts, prompts = list(p), [await ctx.encode(x) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            texts, prompts = [None] * len(p), [list(x) for x in p]
+        elif p:
+            texts, prompts = [None], [list(p)]
+        else:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code="invalid_value")
+        echo_texts = []
+        if req.echo:
+            for t, ids in zip(texts, prompts):
+                if t is None:
+                    ctx.check_request(ids, params)  # before decoding ids that may be out of the vocabulary
+                    t = tok.decode(ids, skip_special_tokens=False)
+                echo_texts.append(t)
+        sub = ctx.submit(prompts, params)
+        n = params.n
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fp = settings.system_fingerprint
+
+        def echo_of(index: int) -> str:
+            return echo_texts[index // n] if req.echo else ""
+
+        def full(outs):
+            choices = []
+            for o in outs:
+                echo = echo_of(o.index)
+                lps, _ = completion_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs, len(echo))
+                choices.append(CompletionChoice(index=o.index, text=echo + o.text, logprobs=lps,
+                                                finish_reason=o.finish_reason, matched_stop=o.matched_stop))
+            return _json(CompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
+                                            usage=usage_of(sub, n)))
+
+        return await answer(request, sub, bool(req.stream), full, lambda: CompletionStream(
+            tok, sub, n, rid, model, fp, req.include_usage, req.continuous_usage, echo_of if req.echo else None))
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [ModelCard(id=name, root=settings.model_path, max_model_len=ctx.client.limit_tokens)
+                 for name in settings.model_names]
+        return _json(ModelList(data=cards))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        """OpenAI's model retrieve: the card of a served name, else a 404 error object."""
+        if model not in settings.model_names:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        return _json(ModelCard(id=model, root=settings.model_path, max_model_len=ctx.client.limit_tokens))
