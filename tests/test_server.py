@@ -95,6 +95,13 @@ def test_health_models_and_auth(server, client):
         bad.models.list()
 
 
+def test_auth_scheme_is_case_insensitive(server):
+    """RFC 7235 section 2.1: the scheme is case-insensitive, so ``bearer <key>`` is accepted."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                   headers={"Authorization": f"bearer {API_KEY}"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
 def test_chat_stream_equals_non_stream(client):
     kw = dict(model=MODEL, messages=chat("Write one sentence about the sea.", "You are a poet."),
               max_tokens=12, temperature=0.8, top_p=0.95, seed=1234)
@@ -366,6 +373,37 @@ def test_bad_input_is_400(server, http, path, body, param, code):
     if code is not None:
         assert err["code"] == code, err
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_stream_options_without_stream_is_400(http):
+    """As OpenAI: ``stream_options`` is only allowed with ``stream`` (it is not silently ignored)."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "ab\\ud800"], "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages"),
+    ("/generate", '{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}', "text"),
+    ("/v1/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_lone_surrogate_is_400_and_the_connection_stays_usable(server, path, body, param):
+    """JSON may escape a lone UTF-16 surrogate ("\\udfff"), which has no UTF-8 form: a 400 naming the
+    field (for chat, the message), not a 500 from the tokenizer, and the keep-alive connection serves on."""
+    with httpx.Client(base_url=server.url, headers={**server.headers, "Content-Type": "application/json"},
+                      timeout=60) as c:
+        r = c.post(path, content=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["param"] == param and "surrogate" in err["message"]
+        if param == "messages":  # names the message, not a position in the rendered template
+            assert err["message"].startswith("messages[0].content")
+        ok = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})  # same connection, still served
+        assert ok.status_code == 200, ok.text
 
 
 def test_unknown_route_and_method(http):

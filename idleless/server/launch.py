@@ -136,8 +136,8 @@ async def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.num_threads == 0:
         # The frontend process (HTTP, tokenization, detokenization) needs a core too: an engine core
-        # whose OpenMP threads take every core waits on descheduled threads at each op (measured on
-        # 2 cores: p50 TTFT 766 ms with 2 threads vs 225 ms with 1).
+        # whose OpenMP threads take every core waits on descheduled threads at each op (benchmarks/
+        # README.md, "Server threads").
         config.num_threads = max(1, (os.cpu_count() or 1) - 1)
     names = served_model_names(config)
     sock = _bind(args.host, args.port)
