@@ -119,8 +119,8 @@ def smollm2_dir(tmp_path_factory) -> str:
 
 
 # Torch threads for the engines the tests build. 1 by default: on a small shared machine (2 cores, other
-# jobs running) more threads than free cores make every matmul wait on descheduled threads (measured 5x
-# slower with 2 threads under load). Set IDLELESS_TEST_THREADS=0 for all cores on an idle machine.
+# jobs running) more threads than free cores make every matmul wait on descheduled threads (benchmarks/
+# README.md, "Threads on a loaded machine"). Set IDLELESS_TEST_THREADS=0 for all cores on an idle machine.
 TEST_THREADS = int(os.environ.get("IDLELESS_TEST_THREADS", "1"))
 
 
