@@ -101,7 +101,10 @@ class Scheduler:
 
     # -- requests in -------------------------------------------------------------------------
     def admission_limits(self) -> AdmissionLimits:
-        """The limits ``check_request`` applies now (the pinned tokens change with pins)."""
+        """The limits ``check_request`` applies now (the pinned tokens change with pins; expired pins
+        are dropped first, as the frontend drops them at their TTL)."""
+        if self.cache.pins:
+            self.cache.unpin_expired()
         return AdmissionLimits(self.vocab_size, self.context_length, self.pool.num_slots, self.cache.pinned_size)
 
     def add_request(self, req: Request) -> None:
