@@ -4,11 +4,10 @@ embedding, SwiGLU, KV-pool writes, decode attention and the cascade merge; and, 
 multi-token tails (``ragged_attn``) and the linear layers of decode-sized batches (``amx_linear``).
 
 Why: at decode each of these is 3-15 eager PyTorch ops on a few kilobytes, and inside a model step
-each op costs ~5 us of dispatch, so for SmolLM2 at batch 1 the glue took as long as the 269 MB of
-weight reads. The kernels are plain C (``cpu_kernels.c``), compiled on first use with the system C
+each op pays PyTorch's dispatch cost, so for SmolLM2 at batch 1 the glue took as long as the weight
+reads (figures in benchmarks/README.md). The kernels are plain C (``cpu_kernels.c``), compiled on first use with the system C
 compiler (``cc -O3 -march=native -fopenmp``, no FMA contraction so products round as in PyTorch) into
-``$IDLELESS_CACHE_DIR/kernels/`` keyed by the source, the flags and the CPU, and called through ctypes
-(~1 us a call). Large calls split their rows over OpenMP threads: the library links libgomp.so.1,
+``$IDLELESS_CACHE_DIR/kernels/`` keyed by the source, the flags and the CPU, and called through ctypes. Large calls split their rows over OpenMP threads: the library links libgomp.so.1,
 which resolves to the copy PyTorch already loaded, so both share one thread pool and
 ``torch.set_num_threads``. They round to the model dtype where PyTorch / Hugging Face do, so they
 agree with the eager path up to float32 summation order (tests check each against it and the model

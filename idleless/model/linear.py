@@ -14,7 +14,7 @@ A ``LinearMethod`` (the shape of vLLM's ``QuantizeMethodBase``) is chosen once, 
 Methods here: ``PlainLinearMethod`` (``F.linear``, any device and dtype); ``OneDnnLinearMethod``
 (bfloat16 on CPU: ``F.linear`` re-packs the weight into oneDNN's blocked layout on every call, which at
 decode, where every weight is read once per step, costs about as much as the product; a copy packed once
-gives bit-identical results in 0.6-0.8x the time); ``AmxLinearMethod`` (CPUs with AMX tiles: batches of
+gives bit-identical results faster); ``AmxLinearMethod`` (CPUs with AMX tiles: batches of
 up to ``CpuKernels.AMX_LINEAR_MAX_ROWS`` rows, i.e. decode steps, in ``cpu_kernels.amx_linear`` from a
 tile-layout copy, where oneDNN's per-call cost is high; larger batches stay on oneDNN). A quantized
 weight format is a new method, not a branch in these.
@@ -129,8 +129,8 @@ class OneDnnLinearMethod(LinearMethod):
 
 class AmxLinearMethod(OneDnnLinearMethod):
     """oneDNN's packed copy plus a copy in ``cpu_kernels.amx_linear``'s tile layout (``layer.amx``, None
-    where a dimension is not a multiple of 32) for batches of 1 to ``AMX_LINEAR_MAX_ROWS`` rows: 120
-    SmolLM2 layers at 64 rows in 15 ms against oneDNN's 21 ms (its per-call cost dominates there).
+    where a dimension is not a multiple of 32) for batches of 1 to ``AMX_LINEAR_MAX_ROWS`` rows,
+    where oneDNN's per-call cost dominates (figures in benchmarks/README.md).
     kernels: a ``cpu_kernels.CpuKernels`` for bfloat16 with ``has_amx``."""
 
     def __init__(self, kernels):

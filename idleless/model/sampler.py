@@ -239,7 +239,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
     dev = logits.device
     plain = [r.params.greedy and not _adjusted(r) for r in rows]
     if all(plain):
-        next_ids = logits.max(-1).indices  # = argmax (first maximum), ~3x faster on CPU
+        next_ids = logits.max(-1).indices  # = argmax (first maximum), and cheaper on CPU
     else:
         next_ids = torch.empty(N, dtype=torch.int64, device=dev)
         plain_ix = torch.tensor([i for i in range(N) if plain[i]], dtype=torch.int64, device=dev)

@@ -42,8 +42,7 @@ def find_shared_segments(prefix_lens: list[int], slot_tables: list[torch.Tensor]
                          ) -> tuple[list[tuple[list[int], int, int]], list[int]]:
     """Find stretches of KV slots shared by two or more requests within their prefixes (whatever
     their number of new tokens: a long extend over a shared prefix reads it unmasked, which the flash
-    kernel does faster than inside the padded, masked tail: for 8 requests x 300 new tokens over 621
-    shared tokens, 9.1 ms segment + 5.6 ms tails against 17.7 ms as masked 921-key tails).
+    kernel does faster than inside the padded, masked tail; figures in benchmarks/README.md).
 
     Returns (segments, shared): each segment is (request indices, start, end) meaning those
     requests all hold the same slots at positions [start, end) (>= MIN_SHARED_TOKENS long);

@@ -23,7 +23,8 @@ PACK_CACHE_BYTES = 512 << 20
 class PackedKeys:
     """A ragged call's keys in the kernel's tile layout: per layer a uint8 [work_bytes] buffer, None
     until that layer's call packs it. One small buffer per layer rather than one large block: glibc
-    maps blocks over 32 MiB afresh each time, and first touches of fresh pages cost ~1.4 ms/MiB here."""
+    maps blocks over 32 MiB afresh each time, and first touches of fresh pages are slow (figures in
+    benchmarks/README.md)."""
 
     bufs: list[torch.Tensor | None]
 
