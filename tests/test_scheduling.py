@@ -612,10 +612,26 @@ def test_engine_generate_priority_keyword(tiny_tok_dir):
     with pytest.raises(ValueError):
         eng.generate(["a", "b"], greedy(1), use_tqdm=False, priority=[1])
     # pin / unpin through the Engine
-    n = eng.pin_prefix("You are a helpful assistant. " * 8, ttl=60.0, pin_id="sys")
-    assert n > 0 and eng.stats()["pinned_tokens"] == n
+    pin_id, n = eng.pin_prefix("You are a helpful assistant. " * 8, ttl=60.0, pin_id="sys")
+    assert pin_id == "sys" and n > 0 and eng.stats()["pinned_tokens"] == n
     assert eng.unpin_prefix("sys") is True and eng.unpin_prefix("sys") is False
     assert eng.stats()["pinned_tokens"] == 0
+    # without a pin_id the returned id releases it; refusals come before any prefill (found by the
+    # fresh-clone pass: an empty pin was taken, an infinite TTL accepted, and an over-budget pin refused
+    # only after its prefill)
+    auto = eng.pin_prefix("Hello pinned prefix", ttl=60.0)
+    assert eng.unpin_prefix(auto.pin_id) is True
+    steps = eng.stats()["num_steps"]
+    for bad in ([], [10**9]):
+        with pytest.raises(RequestError):
+            eng.pin_prefix(bad, ttl=5.0)
+    for ttl in (float("inf"), float("nan"), 0.0, -1.0):
+        with pytest.raises(RequestError, match="TTL"):
+            eng.pin_prefix("Hello pinned prefix", ttl=ttl)
+    eng.core.scheduler.cache.max_pinned_tokens = 16  # as --max-pinned-tokens 16 would set it
+    with pytest.raises(RequestError, match="pinned budget"):
+        eng.pin_prefix(list(range(5, 5 + 17)), ttl=5.0)
+    assert eng.stats()["num_steps"] == steps  # nothing was prefilled for a refused pin
 
 
 def test_request_that_only_fits_without_the_pins_is_refused_not_stuck(tiny_dir):

@@ -342,6 +342,12 @@ BAD = [
     ("/v1/completions", {**COMP, "prompt": [1, 99999999]}, "prompt", None),
     ("/v1/completions", {**COMP, "prompt": [-1]}, "prompt", None),
     ("/v1/completions", {**COMP, "prompt": [1, "a"]}, "prompt", None),
+    # token ids are strict ints: no lax coercion of true, 1.0 or "5" (found by the fresh-clone pass)
+    ("/v1/completions", {**COMP, "prompt": [True, 2]}, None, None),
+    ("/v1/completions", {**COMP, "prompt": [1.0, 2]}, None, None),
+    ("/v1/completions", {**COMP, "prompt": [[1, 2], ["3"]]}, None, None),
+    ("/generate", {"input_ids": [True, 2]}, None, None),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [True]}, None, None),
     ("/v1/completions", {**COMP, "prompt": [5] * 9000}, "prompt", "context_length_exceeded"),
     ("/v1/completions", {**COMP, "max_tokens": 8192}, "max_tokens", "context_length_exceeded"),
     ("/v1/completions", {**COMP, "prompt": "hello " * 400_000}, "prompt", "context_length_exceeded"),

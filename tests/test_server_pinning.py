@@ -96,6 +96,11 @@ def test_pin_unpin_round_trip(servers, http):
     ({"input_ids": [1000], "ttl_s": -5}, "ttl_s", "invalid_value"),
     ({"input_ids": [1000], "ttl_s": "long"}, "ttl_s", None),
     ({"input_ids": [1000], "pin_id": ""}, "pin_id", None),
+    # no lax coercion into token ids or seconds (found by the fresh-clone pass: these pinned)
+    ({"input_ids": [True, 1000]}, None, None),
+    ({"input_ids": ["5", 1000]}, None, None),
+    ({"input_ids": [1.0, 1000]}, None, None),
+    ({"text": "hi there", "ttl_s": "10"}, "ttl_s", None),
 ])
 def test_bad_pin_input_is_400(servers, http, body, param, code):
     if isinstance(body, str):  # raw JSON (a lone surrogate has no UTF-8 form, so no client encodes it)

@@ -105,6 +105,16 @@ class PrefixCache(abc.ABC):
         its pin). Returns the tokens pinned. Raises ValueError when the prefix is not fully cached, the
         pinned budget ``max_pinned_tokens`` would be exceeded, or the cache keeps nothing."""
 
+    def check_pin(self, pin_id: str, num_tokens: int) -> None:
+        """Raise ValueError when pinning ``num_tokens`` under ``pin_id`` (replacing its pin, if any)
+        would exceed ``max_pinned_tokens``, or when the cache keeps nothing; returns otherwise."""
+        if not self.keeps_prefixes:
+            raise ValueError("the prefix cache is disabled")
+        already = self.pins[pin_id][2] if pin_id in self.pins else 0
+        if self.pinned_size - already + num_tokens > self.max_pinned_tokens:
+            raise ValueError(f"pinning {num_tokens} tokens would exceed the pinned budget of "
+                             f"{self.max_pinned_tokens} tokens ({self.pinned_size} pinned)")
+
     def unpin(self, pin_id: str) -> bool:
         """Release a pin early; False if the id is unknown."""
         entry = self.pins.pop(pin_id, None)

@@ -250,10 +250,7 @@ class RadixCache(PrefixCache):
         handle = self.match_prefix(key[:n])
         if handle.cached_len < n:
             raise ValueError(f"only {handle.cached_len} of the {n} tokens to pin are cached")
-        already = self.pins[pin_id][2] if pin_id in self.pins else 0
-        if self.pinned_size - already + n > self.max_pinned_tokens:
-            raise ValueError(f"pinning {n} tokens would exceed the pinned budget of {self.max_pinned_tokens} tokens "
-                             f"({self.pinned_size} pinned)")
+        self.check_pin(pin_id, n)
         self.unpin(pin_id)  # re-pinning replaces (and so extends) the old pin; a failed one keeps it
         self.lock(handle)
         self.pins[pin_id] = (handle, now + ttl, n)

@@ -8,15 +8,18 @@ its own process for the server. It never sees text.
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Callable, Iterable, Optional
 
 from idleless.config import EngineConfig
+from idleless.engine.admission import check_request
 from idleless.engine.request import FinishReason, Request, RequestOutput
 from idleless.engine.scheduler import Scheduler
 from idleless.sampling_params import SamplingParams
 
 PinDone = Callable[[Optional[int], Optional[str]], None]
+PREFILL_ONLY = SamplingParams(max_new_tokens=0, temperature=0.0)  # a pin's prefill: compute and cache, sample nothing
 
 
 class EngineCore:
@@ -80,20 +83,26 @@ class EngineCore:
         """Keep ``prompt_ids``' KV in the prefix cache for ``ttl_s`` seconds (re-pinning an id
         replaces its pin). When the prefix is not cached yet it is prefilled first, as a prefill-only
         request (no token sampled). ``done(tokens, None)`` reports the tokens pinned, ``done(None,
-        message)`` a refusal (the cache keeps nothing, the pinned budget would be exceeded, a bad
-        prompt or ttl); called at once or from the ``step()`` that finishes the prefill."""
-        if not ttl_s > 0:
-            done(None, "ttl_s must be > 0")
+        message)`` a refusal (the cache keeps nothing, the pinned budget would be exceeded, an empty,
+        invalid or over-long prompt, a ttl that is not a finite number > 0), always before any prefill;
+        called at once or from the ``step()`` that finishes the prefill."""
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (math.isfinite(ttl_s) and ttl_s > 0):
+            done(None, f"the pin's TTL must be a finite number of seconds > 0, got {ttl_s!r}")
             return
         cache = self.scheduler.cache
-        page = self.scheduler.pool.page_size
-        if not cache.keeps_prefixes or cache.peek_prefix_len(prompt_ids) >= len(prompt_ids) - len(prompt_ids) % page:
+        aligned = len(prompt_ids) - len(prompt_ids) % self.scheduler.pool.page_size
+        try:  # refused before any prefill: bad ids, too long, over the pinned budget, cache off
+            check_request(prompt_ids, PREFILL_ONLY, self.scheduler.admission_limits())
+            cache.check_pin(pin_id, aligned)
+        except ValueError as e:
+            done(None, str(e))
+            return
+        if cache.peek_prefix_len(prompt_ids) >= aligned:
             self._pin(pin_id, prompt_ids, ttl_s, done)
             return
         rid = f"pin-{uuid.uuid4().hex[:12]}"
         try:
-            self.scheduler.add_request(Request(rid, list(prompt_ids), SamplingParams(max_new_tokens=0, temperature=0.0),
-                                               priority=1 << 30))
+            self.scheduler.add_request(Request(rid, list(prompt_ids), PREFILL_ONLY, priority=1 << 30))
         except ValueError as e:  # RequestError
             done(None, str(e))
             return

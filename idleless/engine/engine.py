@@ -16,7 +16,7 @@ import asyncio
 import threading
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
 
 from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
@@ -26,6 +26,13 @@ from idleless.telemetry.timing import LoopReporter
 from idleless.text.tokenizer import Tokenizer
 
 Prompt = Union[str, list[int], list[dict]]
+
+
+class PinnedPrefix(NamedTuple):
+    """What ``Engine.pin_prefix`` pinned: the pin's id (for ``unpin_prefix``) and its tokens."""
+
+    pin_id: str
+    num_tokens: int
 
 
 def _is_single(prompts: Any) -> bool:
@@ -238,25 +245,30 @@ class Engine:
         with self._lock:
             return self.core.stats()
 
-    def pin_prefix(self, prompt: Prompt, ttl: float = 600.0, pin_id: Optional[str] = None, chat: bool = False) -> int:
-        """Keep ``prompt``'s KV in the radix cache for ``ttl`` seconds (prefilling it first if it is
-        not cached). Returns the number of tokens pinned. Raises RequestError if the prefix cache
-        is off, the pinned budget (``max_pinned_tokens``) would be exceeded or the prompt is invalid."""
+    def pin_prefix(self, prompt: Prompt, ttl: float = 600.0, pin_id: Optional[str] = None,
+                   chat: bool = False) -> "PinnedPrefix":
+        """Keep ``prompt``'s KV in the prefix cache for ``ttl`` seconds (prefilling it first if it is
+        not cached). ``pin_id`` names the pin (re-pinning an id replaces its pin; default: a new id).
+        Returns ``PinnedPrefix(pin_id, num_tokens)``: the id to pass to ``unpin_prefix`` and the tokens
+        pinned. Raises RequestError if the prefix cache is off, the pinned budget
+        (``max_pinned_tokens``) would be exceeded, the prompt is empty, invalid or too long, or ``ttl``
+        is not a finite number of seconds > 0 (all checked before any prefill)."""
         ids = self.encode_prompt(prompt, chat)
+        pin_id = pin_id or uuid.uuid4().hex[:12]
         result: dict = {}
 
         def done(n, err):
             result["n"], result["err"] = n, err
 
         with self._lock:
-            self.core.pin_prefix(pin_id or uuid.uuid4().hex[:12], ids, ttl, done)
+            self.core.pin_prefix(pin_id, ids, ttl, done)
         self._wake.set()
         while not result:
             if not self._step_once():
                 self._wake.wait(0.001)
         if result["err"]:
             raise RequestError(result["err"], param="prompt")
-        return result["n"]
+        return PinnedPrefix(pin_id, result["n"])
 
     def unpin_prefix(self, pin_id: str) -> bool:
         """Release a pin early; False if unknown."""

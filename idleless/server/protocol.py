@@ -17,9 +17,12 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_serializer
 
 from idleless.engine.request import RequestError, SamplingParams
+
+# token ids are strict ints: pydantic's lax mode would turn true, 1.0 or "5" into ids
+TokenIds = list[StrictInt]
 
 MAX_N = 16  # choices per prompt (n); each is an engine request
 MAX_TOP_LOGPROBS = 20
@@ -154,7 +157,7 @@ class _SamplingRequest(_Lenient):
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[TokenIds] = None
     ignore_eos: Optional[bool] = False
     min_tokens: Optional[int] = 0
     n: Optional[int] = 1
@@ -234,7 +237,7 @@ class _SamplingRequest(_Lenient):
 # engine param name -> API param name, for error messages
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+PromptType = Union[str, list[str], TokenIds, list[TokenIds]]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -331,7 +334,7 @@ class GenerateRequest(_Lenient):
     engine's names (max_new_tokens, temperature, top_p, top_k, min_p, penalties, stop,
     stop_token_ids, ignore_eos, min_new_tokens, seed, n, logprobs, top_logprobs, ...)."""
 
-    input_ids: Optional[list[int]] = None
+    input_ids: Optional[TokenIds] = None
     text: Optional[str] = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: Optional[bool] = False
@@ -390,7 +393,7 @@ class TokenizeRequest(_Lenient):
 
 class DetokenizeRequest(_Lenient):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 DEFAULT_PIN_TTL_S = 600.0
@@ -403,8 +406,8 @@ class PinPrefixRequest(_Lenient):
     (re-pinning an id replaces its pin; default: a new id)."""
 
     text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
-    ttl_s: float = DEFAULT_PIN_TTL_S
+    input_ids: Optional[TokenIds] = None
+    ttl_s: StrictFloat = DEFAULT_PIN_TTL_S  # strict: ints pass, "10" and true do not
     pin_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PIN_ID_LEN)
 
 
