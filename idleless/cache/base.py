@@ -14,6 +14,7 @@ on a handle covering them.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -125,7 +126,6 @@ class PrefixCache(abc.ABC):
 
     def unpin_expired(self, now: Optional[float] = None) -> int:
         """Release the pins whose TTL ran out; returns how many."""
-        import time
         now = time.monotonic() if now is None else now
         expired = [p for p, (_, t, _) in self.pins.items() if t <= now]
         for p in expired:

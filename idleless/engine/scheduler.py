@@ -223,9 +223,15 @@ class Scheduler:
         rem = sum(r.max_new_tokens - len(r.output_ids) for r in self.running)
         return int(rem * self.new_token_ratio)
 
-    def _shared_blocks(self, ids: list[int]):
-        """Hashes of the SHARE_BLOCK-aligned prefixes of ``ids``."""
-        return (hash(tuple(ids[:end])) for end in range(SHARE_BLOCK, len(ids), SHARE_BLOCK))
+    @staticmethod
+    def _shared_blocks(ids: list[int]):
+        """Hashes of the SHARE_BLOCK-aligned prefixes of ``ids``, in order, lazily. Each hash folds in
+        the one before it (a hash chain over blocks), so all of them cost O(len(ids)), not the
+        O(len(ids)^2 / SHARE_BLOCK) of hashing every prefix whole."""
+        h = 0
+        for end in range(SHARE_BLOCK, len(ids), SHARE_BLOCK):
+            h = hash((h, tuple(ids[end - SHARE_BLOCK:end])))
+            yield h
 
     def _admit(self) -> list[tuple[RequestRecord, int, list[int]]]:
         cfg = self.config
