@@ -9,6 +9,8 @@ from typing import Optional
 
 from idleless.errors import RequestError
 
+MAX_LOGPROBS = 20  # alternatives per position (top_logprobs, prompt_logprobs): vLLM's default max_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -22,7 +24,11 @@ class SamplingParams:
     so that the same seed gives the same tokens whatever else is in the batch.
     stop: stop strings (checked by the frontend on text); stop_token_ids: checked by the engine.
     logprobs: return the sampled token's logprob; top_logprobs: also the k most likely tokens.
-    Logprobs are the model's raw log-softmax (before penalties/temperature/truncation).
+    prompt_logprobs (vLLM's): None = off; k >= 0 returns, for every prompt token from position
+    ``prompt_logprobs_start`` on (SGLang's ``logprob_start_len``), its logprob given the tokens before
+    it, its rank and the k most likely tokens there; position 0 has none (its entry is None).
+    Logprobs are the model's raw log-softmax (before penalties/temperature/truncation). At most
+    MAX_LOGPROBS alternatives per position (vLLM's default cap).
     """
 
     temperature: float = 1.0
@@ -42,6 +48,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: Optional[int] = None
+    prompt_logprobs_start: int = 0
     n: int = 1
 
     def __post_init__(self):
@@ -86,8 +94,14 @@ class SamplingParams:
             bad("min_new_tokens", "must be >= 0")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             bad("min_new_tokens", "must be <= max_new_tokens")
-        if not 0 <= self.top_logprobs <= 20:
-            bad("top_logprobs", "must be in [0, 20]")
+        if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            bad("top_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        pl = self.prompt_logprobs
+        if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool) or not 0 <= pl <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be null (off) or an integer in [0, {MAX_LOGPROBS}], got {pl!r}")
+        s = self.prompt_logprobs_start
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            bad("prompt_logprobs_start", f"must be an integer >= 0, got {s!r}")
         if self.n < 1:
             bad("n", "must be >= 1")
         if vocab_size is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from idleless.errors import RequestError  # noqa: F401 - re-exported: part of the request vocabulary
 from idleless.sampling_params import SamplingParams  # noqa: F401
@@ -23,6 +23,18 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt token's entry of ``prompt_logprobs``: the token, its raw logprob given the tokens
+    before it (float32 log-softmax, the same function as a sampled token's), its rank (1 + the tokens
+    strictly more likely) and the ``prompt_logprobs`` most likely (token_id, logprob) pairs there,
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,9 @@ class RequestRecord:
     ``slots``: the KV slot table (int64 tensor) or None while waiting; ``cache_handle``: the locked
     prefix-cache handle covering ``slots[:num_tree_tokens]`` (None while waiting);
     ``max_new_tokens``: the request's limit with None resolved to the context length at admission.
+    ``prompt_logprobs``: with ``params.prompt_logprobs`` set, the entries computed so far, in prompt
+    order from position ``params.prompt_logprobs_start`` (None for position 0), else None;
+    ``prompt_logprobs_sent``: whether an output carried them.
     """
 
     rid: str
@@ -72,6 +87,12 @@ class RequestRecord:
     slots: object = None
     cache_handle: object = None
     num_sent: int = 0  # output tokens already reported
+    prompt_logprobs: Optional[list[Optional[PromptLogprob]]] = None
+    prompt_logprobs_sent: bool = False
+
+    def __post_init__(self):
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] if self.params.prompt_logprobs_start == 0 else []
 
     @property
     def num_tree_tokens(self) -> int:
@@ -94,12 +115,34 @@ class RequestRecord:
     def wants_logprobs(self) -> bool:
         return bool(self.params.logprobs or self.params.top_logprobs)
 
+    @property
+    def prompt_logit_rows(self) -> range:
+        """Positions whose logits are still needed for prompt logprobs (row r scores prompt token
+        r + 1): from the first entry not computed yet to the last prompt token but one (the last
+        row samples). Empty when none were asked for or all are in."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        start = self.params.prompt_logprobs_start
+        first = max(start, 1) - 1 + len(self.prompt_logprobs) - (start == 0)
+        return range(first, len(self.prompt_ids) - 1)
+
+    @property
+    def reusable_prefix(self) -> int:
+        """The most leading tokens whose KV may come from the prefix cache: all known tokens but the
+        last (its logits are needed), and none from the first prompt position whose logits are still
+        needed (a cached prefix has K/V, not logits; SGLang and vLLM limit the hit the same way)."""
+        rows = self.prompt_logit_rows
+        return min(self.seq_len - 1, rows.start) if rows else self.seq_len - 1
+
 
 @dataclass
 class RequestOutput:
     """What the engine core reports for a request after a step (deltas since the last report).
 
     new_token_ids / new_logprobs / new_top_logprobs: tokens sampled since the last output.
+    prompt_logprobs: the request's ``PromptLogprob`` entries (see ``RequestRecord``), all of them, on
+    the first output after the prompt's last logits (with the first token, or the finish of a
+    prefill-only request); None on every other output and when not asked for.
     finish_reason is set on the last output of a request; ``error`` carries a message for requests
     that failed inside the engine. Token counts are totals so far.
     """
@@ -110,6 +153,7 @@ class RequestOutput:
     matched_stop: Optional[int | str] = None
     new_logprobs: Optional[list[float]] = None
     new_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    prompt_logprobs: Optional[list[Optional[PromptLogprob]]] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
