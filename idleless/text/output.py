@@ -52,6 +52,9 @@ class CompletionOutput:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # with params.prompt_logprobs: engine.request.PromptLogprob per prompt position from
+    # params.prompt_logprobs_start (None at position 0), as vLLM's RequestOutput.prompt_logprobs
+    prompt_logprobs: Optional[list] = None
     error: Optional[str] = None
 
 
@@ -75,6 +78,7 @@ class RequestState:
         self.error: Optional[str] = None
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
+        self.prompt_logprobs: Optional[list] = None  # the engine's entries, once they arrive
 
     @property
     def finished(self) -> bool:
@@ -85,6 +89,8 @@ class RequestState:
             return None, False
         self.cached_tokens = out.cached_tokens
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         new_ids = list(out.new_token_ids)
         text, matched = self.stream.feed(new_ids) if new_ids else ("", None)
         self.token_ids += new_ids
@@ -121,7 +127,7 @@ class RequestState:
             finish_reason=self.finish_reason, matched_stop=self.matched_stop,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
             completion_tokens=len(self.token_ids), logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-            prompt_token_ids=list(self.prompt_ids), error=self.error)
+            prompt_token_ids=list(self.prompt_ids), prompt_logprobs=self.prompt_logprobs, error=self.error)
 
 
 def fan_out(base: str, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Tokenizer,
