@@ -12,7 +12,22 @@ from typing import Optional
 
 import torch
 
+from idleless.engine.request import PromptLogprob
 from idleless.model.sampler import SamplingRow
+
+
+@dataclass(frozen=True, eq=False)
+class PromptLogprobRows:
+    """The rows of one scheduled request whose logits give prompt logprobs this step.
+
+    first: the offset in the step's ``token_ids`` of the first such row; the rows are
+    ``first .. first + len(targets) - 1``, consecutive. targets: the prompt token each row scores (the
+    token after the row's, which may lie in the next chunk). num_top: (token, logprob) alternatives
+    per row (the request's ``prompt_logprobs``)."""
+
+    first: int
+    targets: list[int]
+    num_top: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,6 +43,7 @@ class ScheduledRequest:
     sampling: the sampler's row for this request when it samples this step (its known tokens end
       the sequence), else None (a prompt chunk before the prompt's end, or a prefill-only request).
       A request that samples gets one sampled row per proposed token plus one.
+    prompt_logprobs: the rows whose logits give prompt logprobs this step, or None.
     """
 
     rid: str
@@ -36,6 +52,7 @@ class ScheduledRequest:
     start: int
     slot_table: torch.Tensor
     sampling: Optional[SamplingRow] = None
+    prompt_logprobs: Optional[PromptLogprobRows] = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +95,11 @@ class StepPlan:
 class StepResult:
     """What the runner returns for a plan, one entry per scheduled request in plan order:
     ``sampled[i]`` the tokens sampled for request i (``num_sampled`` of them: [] when it does not
-    sample); ``logprobs[i]`` / ``top_logprobs[i]`` alike (entries None where not asked for)."""
+    sample); ``logprobs[i]`` / ``top_logprobs[i]`` alike (entries None where not asked for);
+    ``prompt_logprobs[i]`` one ``PromptLogprob`` per row of its ``prompt_logprobs`` rows, in order
+    ([] without them; the whole list may be empty when no request has any)."""
 
     sampled: list[list[int]]
     logprobs: list[list[Optional[float]]]
     top_logprobs: list[list[Optional[list[tuple[int, float]]]]]
+    prompt_logprobs: list[list[PromptLogprob]] = field(default_factory=list)

@@ -25,7 +25,7 @@ from idleless.cache import make_prefix_cache
 from idleless.cache.kv_pool import KVPool
 from idleless.config import EngineConfig
 from idleless.engine.admission import AdmissionLimits, check_request
-from idleless.engine.plan import ScheduledRequest, StepPlan, StepResult
+from idleless.engine.plan import PromptLogprobRows, ScheduledRequest, StepPlan, StepResult
 from idleless.engine.policy import order_waiting
 from idleless.engine.kv_manager import RequestKV
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput, RequestRecord
@@ -250,14 +250,15 @@ class Scheduler:
             if len(self.running) >= cfg.max_running_requests or budget <= 0:
                 break
             ids = rec.all_ids
-            cached = self.kv.attach_prefix(rec, len(ids) - 1)  # matched and locked
+            reusable = rec.reusable_prefix
+            cached = self.kv.attach_prefix(rec, reusable)  # matched and locked
             if in_flight:
                 shared = 0
                 for end, h in zip(range(SHARE_BLOCK, len(ids), SHARE_BLOCK), self._shared_blocks(ids)):
                     if h not in in_flight:
                         break
                     shared = end
-                if shared - cached >= SHARE_BLOCK:
+                if min(shared, reusable) - cached >= SHARE_BLOCK:
                     self._detach(rec)
                     continue
             remaining = len(ids) - cached
@@ -294,7 +295,11 @@ class Scheduler:
             known = rec.all_ids[start:start + n]
         samples = start + n == rec.seq_len and rec.max_new_tokens > 0
         row = SamplingRow(rec.params, rec.generator, rec.prompt_ids, rec.output_ids) if samples else None
-        return ScheduledRequest(rec.rid, known + extra, n, start, rec.slots, row)
+        need = rec.prompt_logit_rows
+        lo, hi = max(need.start, start), min(need.stop, start + n)
+        scored = PromptLogprobRows(lo - start, rec.prompt_ids[lo + 1:hi + 1], rec.params.prompt_logprobs) \
+            if lo < hi else None
+        return ScheduledRequest(rec.rid, known + extra, n, start, rec.slots, row, scored)
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, plan: StepPlan, result: StepResult) -> None:
@@ -308,6 +313,8 @@ class Scheduler:
                 continue
             if rec.num_computed < len(rec.prompt_ids):
                 self.stats.computed_prompt_tokens += min(sr.num_known, len(rec.prompt_ids) - rec.num_computed)
+            if sr.prompt_logprobs is not None:
+                rec.prompt_logprobs.extend(result.prompt_logprobs[i])
             if sr.sampling is None:
                 rec.num_computed += sr.num_known
                 if rec.num_computed == rec.seq_len and rec.max_new_tokens == 0:  # prefill only
@@ -404,11 +411,15 @@ class Scheduler:
     def _emit(self, rec: RequestRecord) -> None:
         k = rec.num_sent
         want_lp = rec.wants_logprobs
+        prompt_lps = None
+        if rec.prompt_logprobs is not None and not rec.prompt_logprobs_sent and not rec.prompt_logit_rows:
+            prompt_lps, rec.prompt_logprobs_sent = rec.prompt_logprobs, True
         self._outputs.append(RequestOutput(
             rid=rec.rid, new_token_ids=rec.output_ids[k:], finish_reason=rec.finish_reason,
             matched_stop=rec.matched_stop,
             new_logprobs=rec.output_logprobs[k:] if want_lp else None,
             new_top_logprobs=rec.output_top_logprobs[k:] if rec.params.top_logprobs else None,
+            prompt_logprobs=prompt_lps,
             prompt_tokens=len(rec.prompt_ids), cached_tokens=max(rec.cached_tokens, 0),
             completion_tokens=len(rec.output_ids)))
         rec.num_sent = len(rec.output_ids)

@@ -89,7 +89,9 @@ _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj",
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T] int64, positions [T] int64, ...) -> logits [len(sample_rows), vocab] float32.
+    """forward(input_ids [T] int64, positions [T] int64, ...) -> logits [len(sample_rows), vocab] float32,
+    which is ``compute_logits(hidden_states(...))``: a caller that wants the logits of many rows (prompt
+    logprobs) takes the hidden states and computes the logits block by block.
 
     ops: the glue backend (default eager PyTorch); method: the linear method of every linear layer
     (default plain ``F.linear``). Parameters are created uninitialised: load them with
@@ -112,12 +114,24 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, meta, out_cache_loc, sample_rows):
+        return self.compute_logits(self.hidden_states(input_ids, positions, backend, meta, out_cache_loc,
+                                                      sample_rows))
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids, positions, backend, meta, out_cache_loc, rows) -> torch.Tensor:
+        """Run every layer over the T rows (writing their K/V) and return the final-normed hidden states
+        of ``rows`` (int64 [R] indices into T): [R, hidden] in the model's dtype."""
         h = self.embed_tokens(input_ids)
         ctx = StepContext(self.ops.rope_state(self.rope, positions, h.dtype), backend, meta, out_cache_loc)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, ctx)
-        h, _ = self.norm(h[sample_rows], residual[sample_rows])
+        h, _ = self.norm(h[rows], residual[rows])
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The lm_head over final hidden states h [R, hidden]: float32 logits [R, vocab]."""
         return self.lm_head(h).float()
 
     def checkpoint_target(self, name: str) -> Optional[tuple[str, Optional[object]]]:

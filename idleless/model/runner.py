@@ -15,11 +15,17 @@ from idleless.model.attention import CompositeAttention
 from idleless.model.linear import select_linear_method
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import select_ops
-from idleless.model.sampler import SamplingRow, sample
+from idleless.engine.request import PromptLogprob
+from idleless.model.sampler import SamplingRow, sample, token_logprobs
 from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
 from idleless.model.weights import load_weights
 
 log = logging.getLogger(__name__)
+
+
+# Prompt-logprob rows are turned into logits this many at a time (a block is [rows, vocab] float32:
+# 50 MB for a 49152-token vocabulary), so a long prompt never holds all its logits at once.
+PROMPT_LOGITS_BLOCK = 256
 
 
 @dataclass
@@ -28,8 +34,9 @@ class ForwardBatch:
 
     input_ids, positions, out_cache_loc: int64 [T]; extend_lens / prefix_lens: per request, new
     tokens this step and tokens whose KV already exists; slot_tables[i]: int64 [prefix+extend]
-    KV slots of request i; sample_rows: int64 [N] rows of T whose logits are wanted (the last new
-    token of each request that samples this step)."""
+    KV slots of request i; sample_rows: int64 [N] rows of T whose logits are wanted: the sampled
+    rows (the last new token of each request that samples this step, one more per proposed token),
+    then the prompt-logprob rows."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -44,14 +51,17 @@ class ForwardBatch:
         return int(self.input_ids.numel())
 
 
-def forward_batch_of(plan) -> tuple[ForwardBatch, list[SamplingRow]]:
-    """A ``StepPlan``'s model inputs: the flattened ForwardBatch and one sampler row per sampled
-    logits row. A request that samples with k proposed tokens has k + 1 sampled rows (its last k + 1
-    positions); the j-th sees the proposed tokens before it as generated, for penalties and
-    min_new_tokens."""
+def forward_batch_of(plan) -> tuple[ForwardBatch, list[SamplingRow], list[tuple[int, object]]]:
+    """A ``StepPlan``'s model inputs: the flattened ForwardBatch, one sampler row per sampled logits
+    row, and (plan index, ``PromptLogprobRows``) per request with prompt-logprob rows, in the order of
+    those rows (they follow the sampled rows in ``sample_rows``). A request that samples with k
+    proposed tokens has k + 1 sampled rows (its last k + 1 positions); the j-th sees the proposed
+    tokens before it as generated, for penalties and min_new_tokens."""
     ids, pos, locs, ext, pre, tables, rows, sampling = [], [], [], [], [], [], [], []
+    scored_rows: list[int] = []
+    scored: list[tuple[int, object]] = []
     row = 0
-    for r in plan.requests:
+    for i, r in enumerate(plan.requests):
         n = r.num_tokens
         ids.extend(r.token_ids)
         pos.extend(range(r.start, r.start + n))
@@ -64,10 +74,14 @@ def forward_batch_of(plan) -> tuple[ForwardBatch, list[SamplingRow]]:
             sampling.append(r.sampling)
             for j in range(1, r.num_sampled):
                 sampling.append(replace(r.sampling, output_ids=list(r.sampling.output_ids) + r.proposed[:j]))
+        p = r.prompt_logprobs
+        if p is not None:
+            scored_rows.extend(range(row + p.first, row + p.first + len(p.targets)))
+            scored.append((i, p))
         row += n
     batch = ForwardBatch(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-                         torch.cat(locs), ext, pre, tables, torch.tensor(rows, dtype=torch.int64))
-    return batch, sampling
+                         torch.cat(locs), ext, pre, tables, torch.tensor(rows + scored_rows, dtype=torch.int64))
+    return batch, sampling, scored
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -123,9 +137,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on the batch; returns float32 logits [len(sample_rows), vocab]."""
+        return self.model.compute_logits(self._hidden(batch))
+
+    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final-normed hidden states of ``batch.sample_rows`` ([N, hidden]); writes the K/V."""
         meta = self.backend.prepare(batch.extend_lens, batch.prefix_lens, batch.slot_tables)
-        return self.model(batch.input_ids, batch.positions, self.backend, meta, batch.out_cache_loc,
-                          batch.sample_rows)
+        return self.model.hidden_states(batch.input_ids, batch.positions, self.backend, meta, batch.out_cache_loc,
+                                        batch.sample_rows)
 
     def load_weights(self, named_tensors, require_all: bool = False) -> None:
         """Write HF-named tensors ((name, tensor) pairs: a checkpoint's, a trainer's) into the model by
@@ -140,14 +158,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan):
         """Execute a ``StepPlan`` (idleless.engine.plan): build the tensors, run the forward, sample
-        every sampled row (``plan.eos_ids`` for min_new_tokens). Returns a ``StepResult`` with one
-        entry per scheduled request, in plan order."""
+        every sampled row (``plan.eos_ids`` for min_new_tokens) and compute the prompt logprobs of the
+        plan's prompt-logprob rows. Returns a ``StepResult`` with one entry per scheduled request, in
+        plan order."""
         from idleless.engine.plan import StepResult
-        batch, rows = forward_batch_of(plan)
-        logits = self.forward(batch)
+        batch, rows, scored = forward_batch_of(plan)
+        h = self._hidden(batch)
         sampled, lps, tops = [], [], []
         if rows:
-            out = sample(logits, rows, plan.eos_ids)
+            out = sample(self.model.compute_logits(h[:len(rows)]), rows, plan.eos_ids)
         i = 0
         for r in plan.requests:
             k = r.num_sampled
@@ -155,4 +174,25 @@ class ModelRunner:
             lps.append(out.logprobs[i:i + k] if k else [])
             tops.append(out.top_logprobs[i:i + k] if k else [])
             i += k
-        return StepResult(sampled, lps, tops)
+        prompt = self._prompt_logprobs(h[len(rows):], scored, len(plan.requests)) if scored else []
+        return StepResult(sampled, lps, tops, prompt)
+
+    def _prompt_logprobs(self, h: torch.Tensor, scored, num_requests: int) -> list[list[PromptLogprob]]:
+        """PromptLogprob entries of the prompt-logprob rows (h: their hidden states [P, hidden], in the
+        order of ``scored``), per plan index. The logits are made PROMPT_LOGITS_BLOCK rows at a time
+        and reduced by ``sampler.token_logprobs`` (the sampler's own function) to the entries."""
+        targets = [t for _, p in scored for t in p.targets]
+        num_top = [p.num_top for _, p in scored for _ in p.targets]
+        entries: list[PromptLogprob] = []
+        for a in range(0, len(targets), PROMPT_LOGITS_BLOCK):
+            b = min(a + PROMPT_LOGITS_BLOCK, len(targets))
+            tok = torch.tensor(targets[a:b], dtype=torch.int64, device=h.device)
+            values, tops, ranks = token_logprobs(self.model.compute_logits(h[a:b]), tok, num_top[a:b],
+                                                 with_rank=True)
+            entries.extend(map(PromptLogprob, targets[a:b], values, ranks, tops))
+        out: list[list[PromptLogprob]] = [[] for _ in range(num_requests)]
+        a = 0
+        for i, p in scored:
+            out[i] = entries[a:a + len(p.targets)]
+            a += len(p.targets)
+        return out

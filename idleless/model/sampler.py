@@ -8,7 +8,8 @@ inverse-CDF draw that takes a single uniform number per row from that row's own 
 same seed gives the same tokens whatever else is in the batch.
 
 Returned logprobs are the model's raw log-softmax, taken before penalties, temperature and
-truncation (vLLM's default ``raw_logprobs``), so they do not change with sampling settings.
+truncation (vLLM's default ``raw_logprobs``), so they do not change with sampling settings; they
+come from ``token_logprobs``, which the runner also uses for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -277,20 +278,43 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
     return out
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int],
+                   with_rank: bool = False) -> tuple[list[float], list[list[tuple[int, float]]], Optional[list[int]]]:
+    """The raw log-softmax entries of rows of logits: THE one function behind every logprob the engine
+    reports, the sampled tokens' (``sample``) and the prompt tokens' (the runner), so a token's logprob
+    is the same bits whichever of the two computes it from the same logits row.
+
+    logits: [R, V] float32 (bfloat16 is upcast first); token_ids: int64 [R], the token row r scores;
+    num_top[r]: how many of the most likely (token_id, logprob) pairs row r returns (0: none).
+    Returns (logprobs [R] of token_ids; per row its top pairs, most likely first ([] where 0); ranks
+    [R] when ``with_rank``, else None: 1 + the number of tokens strictly more likely than
+    token_ids[r], vLLM's ``Logprob.rank``). Each row is its own log-softmax (max-subtracted, float32):
+    rows do not affect one another, so callers may split rows into blocks of any size.
+    """
+    lp = torch.log_softmax(logits.to(torch.float32), -1)
+    chosen = lp.gather(1, token_ids.unsqueeze(1))
+    values = chosen.squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in values]
+    k_max = min(max(num_top, default=0), lp.shape[1])
+    if k_max:
+        top_v, top_i = (t.tolist() for t in lp.topk(k_max, -1))
+        for r, k in enumerate(num_top):
+            if k:
+                tops[r] = list(zip(top_i[r][:k], top_v[r][:k]))
+    ranks = ((lp > chosen).sum(-1) + 1).tolist() if with_rank else None
+    return values, tops, ranks
+
+
 def _fill_logprobs(out: SampleOutput, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Raw float32 log-softmax of logits [N, V] for the rows that asked: the chosen token's, and
-    the top_logprobs most likely (token, logprob) pairs, most likely first."""
+    """``token_logprobs`` of the sampled tokens for the rows that asked: the chosen token's, and the
+    top_logprobs most likely (token, logprob) pairs, most likely first."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs or r.params.top_logprobs]
     if not want:
         return
-    lp = torch.log_softmax(_take(logits, _index(want, len(rows), logits.device)).to(torch.float32), -1)
     chosen = torch.tensor([out.next_ids[i] for i in want], dtype=torch.int64, device=logits.device)
-    for i, v in zip(want, lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()):
+    values, tops, _ = token_logprobs(_take(logits, _index(want, len(rows), logits.device)), chosen,
+                                     [rows[i].params.top_logprobs for i in want])
+    for i, v, top in zip(want, values, tops):
         out.logprobs[i] = v
-    k_max = min(max(rows[i].params.top_logprobs for i in want), lp.shape[1])
-    if k_max:
-        values, ids = (t.tolist() for t in lp.topk(k_max, -1))
-        for j, i in enumerate(want):
-            k = rows[i].params.top_logprobs
-            if k:
-                out.top_logprobs[i] = list(zip(ids[j][:k], values[j][:k]))
+        if rows[i].params.top_logprobs:
+            out.top_logprobs[i] = top
