@@ -17,8 +17,13 @@ from idleless.text.tokenizer import TextStream, Tokenizer
 
 @dataclass
 class CompletionDelta:
-    """One streamed piece of a request: new text and token ids since the previous delta.
+    """One streamed piece of a request: new text and the token ids whose text it is.
 
+    ``token_ids`` (and ``logprobs`` / ``top_logprobs``, one entry per id) are exactly the ids
+    whose text ``text`` carries: ids whose text is held back (an unfinished UTF-8 character, a
+    possible stop-string prefix) come with it in a later delta, so the deltas of a choice add up
+    to its ``CompletionOutput`` entry for entry. The last delta may carry the stop token (an eos
+    id or a ``stop_token_ids`` entry), whose text is not in the output (``TextStream``).
     finish_reason is set on the last delta ("stop", "length" or "abort"); matched_stop is the
     stop string or stop token id that ended it. Token counts are totals so far."""
 
@@ -38,7 +43,11 @@ class CompletionDelta:
 
 @dataclass
 class CompletionOutput:
-    """A finished request: its text, token ids, finish_reason, usage, and logprobs when asked."""
+    """A finished request: its text, token ids, finish_reason, usage, and logprobs when asked.
+
+    ``token_ids`` are the generated ids up to the one that ended the request: the stop token
+    (kept, as vLLM does, though its text is not in ``text`` unless include_stop_str_in_output) or
+    the id whose text completed a stop string (ids sampled after it are dropped)."""
 
     rid: str
     index: int
@@ -61,7 +70,8 @@ class CompletionOutput:
 class RequestState:
     """Text state of one engine request (one choice). ``process(out)`` returns the delta to hand
     to the user (None if nothing new) and whether the engine request must now be aborted (a stop
-    string matched). Messages after the request finished are ignored."""
+    string matched). Messages after the request finished are ignored. The output rules (stop
+    token text, stop strings, min_new_tokens) are ``TextStream``'s."""
 
     def __init__(self, rid: str, index: int, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
         self.rid = rid
@@ -69,10 +79,11 @@ class RequestState:
         self.prompt_ids = prompt_ids
         self.params = params
         self.stream = TextStream(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
-                                 params.skip_special_tokens)
-        self.token_ids: list[int] = []
-        self.logprobs: Optional[list[float]] = [] if (params.logprobs or params.top_logprobs) else None
-        self.top_logprobs: Optional[list] = [] if params.top_logprobs else None
+                                 params.skip_special_tokens, params.min_new_tokens)
+        # logprobs of every id received, in order (the output keeps the first len(token_ids))
+        self._logprobs: Optional[list[float]] = [] if (params.logprobs or params.top_logprobs) else None
+        self._top_logprobs: Optional[list] = [] if params.top_logprobs else None
+        self._sent = 0  # ids handed out in deltas
         self.finish_reason: Optional[str] = None
         self.matched_stop: Optional[int | str] = None
         self.error: Optional[str] = None
@@ -84,6 +95,11 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The output's token ids so far (``TextStream.output_ids``; do not modify)."""
+        return self.stream.output_ids
+
     def process(self, out: RequestOutput) -> tuple[Optional[CompletionDelta], bool]:
         if self.finished:
             return None, False
@@ -92,12 +108,14 @@ class RequestState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         new_ids = list(out.new_token_ids)
-        text, matched = self.stream.feed(new_ids) if new_ids else ("", None)
-        self.token_ids += new_ids
-        if self.logprobs is not None and out.new_logprobs:
-            self.logprobs += out.new_logprobs
-        if self.top_logprobs is not None and out.new_top_logprobs:
-            self.top_logprobs += out.new_top_logprobs
+        if self._logprobs is not None and out.new_logprobs:
+            self._logprobs += out.new_logprobs
+        if self._top_logprobs is not None and out.new_top_logprobs:
+            self._top_logprobs += out.new_top_logprobs
+        # The engine reports the id that ended the request as matched_stop (an eos or stop token id).
+        stop_token = bool(new_ids) and out.finish_reason == FinishReason.STOP and \
+            isinstance(out.matched_stop, int) and new_ids[-1] == out.matched_stop
+        text, matched = self.stream.feed(new_ids, stop_token) if new_ids else ("", None)
         abort = False
         if matched is not None:
             self.finish_reason, self.matched_stop = FinishReason.STOP.value, matched
@@ -110,23 +128,28 @@ class RequestState:
                 self.finish_reason = FinishReason(out.finish_reason).value
                 self.matched_stop = out.matched_stop
             self.error = out.error
-        if not text and not new_ids and not self.finished:
+        a, b = self._sent, self.stream.num_released
+        self._sent = b
+        if not text and a == b and not self.finished:
             return None, abort
         delta = CompletionDelta(
-            rid=self.rid, index=self.index, text=text, token_ids=new_ids,
-            logprobs=out.new_logprobs if self.logprobs is not None else None,
-            top_logprobs=out.new_top_logprobs if self.top_logprobs is not None else None,
+            rid=self.rid, index=self.index, text=text, token_ids=self.token_ids[a:b],
+            logprobs=self._logprobs[a:b] if self._logprobs is not None else None,
+            top_logprobs=self._top_logprobs[a:b] if self._top_logprobs is not None else None,
             finish_reason=self.finish_reason, matched_stop=self.matched_stop,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
             completion_tokens=len(self.token_ids), error=self.error)
         return delta, abort
 
     def result(self) -> CompletionOutput:
+        n = len(self.token_ids)
         return CompletionOutput(
             rid=self.rid, index=self.index, text=self.stream.text, token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, matched_stop=self.matched_stop,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-            completion_tokens=len(self.token_ids), logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+            completion_tokens=n,
+            logprobs=self._logprobs[:n] if self._logprobs is not None else None,
+            top_logprobs=self._top_logprobs[:n] if self._top_logprobs is not None else None,
             prompt_token_ids=list(self.prompt_ids), prompt_logprobs=self.prompt_logprobs, error=self.error)
 
 

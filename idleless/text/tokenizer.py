@@ -428,6 +428,11 @@ class StopStringMatcher:
     character-by-character scan finds, so the result does not depend on how the text is split
     into deltas. Cost per feed: O(len(delta) + held) * number of stops.
 
+    ``feed(delta, can_match=False)`` feeds text that may not complete a stop string (vLLM's
+    ``min_tokens`` rule: text of the first min_tokens tokens never ends a request): no stop found
+    ending inside it counts, but one that starts in it and ends in a later delta does (as vLLM's
+    ``StopChecker``, which searches only from ``stop_check_offset`` minus the stop's length).
+
     ``flush()`` returns the held-back text when the request ends without a stop.
     Raises ValueError for an empty stop string.
     """
@@ -446,14 +451,16 @@ class StopStringMatcher:
         self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._prefixes: set[str] = {s[:k] for s in self.stops for k in range(1, len(s))}
         self._held = ""
+        self._floor = 0  # leading characters of _held that no stop may end in (fed with can_match=False)
         self.matched: Optional[str] = None
 
     @property
     def done(self) -> bool:
         return self.matched is not None
 
-    def feed(self, text: str) -> tuple[str, Optional[str]]:
-        """Consume a text delta; return (text safe to emit, matched stop string or None)."""
+    def feed(self, text: str, can_match: bool = True) -> tuple[str, Optional[str]]:
+        """Consume a text delta; return (text safe to emit, matched stop string or None).
+        ``can_match=False``: no stop may end inside this delta (see the class docstring)."""
         if self.matched is not None:
             return "", None
         if not text:
@@ -461,9 +468,10 @@ class StopStringMatcher:
         if not self.stops:
             return text, None
         buf = self._held + text
+        floor = self._floor if can_match else len(buf)
         best: Optional[tuple[int, int, str]] = None  # (end, start, stop)
         for s in self.stops:
-            i = buf.find(s)
+            i = buf.find(s, max(0, floor - len(s) + 1))  # the first occurrence ending after the floor
             if i >= 0:
                 key = (i + len(s), i, s)
                 if best is None or key[:2] < best[:2]:
@@ -478,6 +486,7 @@ class StopStringMatcher:
             if buf[-k:] in self._prefixes:
                 hold = k
                 break
+        self._floor = max(0, floor - (len(buf) - hold))
         if hold:
             self._held = buf[-hold:]
             return buf[:-hold], None
@@ -486,50 +495,129 @@ class StopStringMatcher:
 
     def flush(self) -> str:
         """Return (and clear) the held-back text; '' after a match."""
-        held, self._held = self._held, ""
+        held, self._held, self._floor = self._held, "", 0
         return "" if self.matched is not None else held
 
 
 class TextStream:
-    """Per-request text state: ``IncrementalDetokenizer`` followed by ``StopStringMatcher``.
+    """Per-request text state: ``IncrementalDetokenizer`` followed by ``StopStringMatcher``, with
+    the token ids each piece of text comes from.
 
-    ``feed(new_ids) -> (text_delta, matched_stop_or_None)``; after a stop matched, further feeds
-    return ``("", None)`` (the caller aborts the request in the engine; tokens already sampled
-    after the stop are ignored). ``finish() -> str`` flushes both stages. ``.text`` is all text
-    emitted so far, ``.matched_stop`` the stop string that ended it (or None), ``.output_ids`` all
-    ids fed.
+    ``feed(new_ids, stop_token=False) -> (text_delta, matched_stop_or_None)``; ``finish() -> str``
+    flushes both stages at the end of the request. ``.text`` is all text emitted, ``.output_ids``
+    the ids that belong to the output, ``.num_released`` how many of them (a prefix) the emitted
+    text covers, ``.matched_stop`` the stop string that ended it (or None).
+
+    Output rules (vLLM's ``IncrementalDetokenizer.update`` and ``StopChecker``):
+
+    - ``stop_token=True``: the last of ``new_ids`` ended the request as a stop token (an eos id or a
+      ``stop_token_ids`` entry). It stays in ``output_ids`` (vLLM keeps it in ``token_ids`` and
+      logprobs) but its text is not in the output unless ``include_stop_str_in_output``; stop
+      strings are not looked for in its text.
+    - Stop strings: the output ends before the first stop string complete in the text (after it
+      with ``include_stop_str_in_output``); ``output_ids`` ends with the id whose text completed it
+      (ids after it are dropped) and further feeds return ``("", None)`` (the caller aborts the
+      engine request).
+    - ``min_tokens``: a stop string that is complete within the text of the first ``min_tokens``
+      ids does not end the request (vLLM's ``min_tokens``); one completed later does, even if it
+      started earlier.
+
+    Alignment: text goes out only at token boundaries. ``num_released`` grows exactly when the
+    text of those ids is emitted: ids whose text the detokenizer holds back (an unfinished UTF-8
+    character, an empty special token) or whose text may begin a stop string are held with it, so
+    a streamed chunk can carry its ids' entries (logprobs) next to their text. Where the
+    detokenizer emits several ids' text at once they go out together. After ``finish`` (or a stop
+    string) every id of ``output_ids`` is released.
+
+    Args:
+        tokenizer, prompt_ids, skip_special_tokens: for the ``IncrementalDetokenizer``.
+        stop, include_stop_str_in_output: for the ``StopStringMatcher`` and the stop token.
+        min_tokens: output ids whose text cannot complete a stop string (>= 0).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Optional[Sequence[str]] = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self.matcher = StopStringMatcher(stop, include_in_output=include_stop_str_in_output)
+        self.include_stop = include_stop_str_in_output
+        self.min_tokens = max(0, int(min_tokens))
         self.text = ""
         self.output_ids: list[int] = []
+        self.num_released = 0
         self.matched_stop: Optional[str] = None
         self.finished = False
+        self._detok_held = 0  # ids fed to the detokenizer whose text it still holds back
+        self._units: list[tuple[int, int]] = []  # (ids, chars) of detokenized text not yet emitted, in order
+        self._safe = ""  # text the matcher let through that does not yet reach a unit's end
 
-    def feed(self, new_ids: Sequence[int]) -> tuple[str, Optional[str]]:
+    def feed(self, new_ids: Sequence[int], stop_token: bool = False) -> tuple[str, Optional[str]]:
+        """Consume sampled ids; return (newly emitted text, the stop string that matched or None)."""
         if self.matched_stop is not None or self.finished:
             return "", None
         new_ids = [int(new_ids)] if isinstance(new_ids, int) else [int(i) for i in new_ids]
-        self.output_ids.extend(new_ids)
-        emit, matched = self.matcher.feed(self.detokenizer.add(new_ids))
+        last = new_ids.pop() if stop_token and new_ids else None
+        # One id at a time when stop strings exist (the id completing a stop, and min_tokens, need it).
+        groups = [[i] for i in new_ids] if self.matcher.stops else ([new_ids] if new_ids else [])
+        emit = ""
+        for g in groups:
+            self.output_ids.extend(g)
+            piece, matched = self._add(g, len(self.output_ids) > self.min_tokens)
+            if matched is not None:
+                emit += self._safe + piece
+                self._end_units()
+                self.matched_stop = matched
+                self.text += emit
+                return emit, matched
+            emit += self._release(piece)
+        if last is not None:
+            self.output_ids.append(last)
+            if self.include_stop:
+                emit += self._release(self._add([last], False)[0])
+            else:
+                self._detok_held += 1  # no text: it goes out with the last piece
         self.text += emit
-        if matched is not None:
-            self.matched_stop = matched
-        return emit, matched
+        return emit, None
 
     def finish(self) -> str:
-        """Flush held-back text at the end of the request; a stop string found in it still truncates."""
+        """Flush held-back text at the end of the request (a stop string found in it still
+        truncates) and release every output id."""
         if self.finished or self.matched_stop is not None:
             self.finished = True
             return ""
         self.finished = True
-        emit, matched = self.matcher.feed(self.detokenizer.flush())
+        emit, matched = self.matcher.feed(self.detokenizer.flush(), len(self.output_ids) > self.min_tokens)
         if matched is not None:
             self.matched_stop = matched
         else:
             emit += self.matcher.flush()
+        emit = self._safe + emit
+        self._end_units()
         self.text += emit
         return emit
+
+    def _add(self, ids: list[int], can_match: bool) -> tuple[str, Optional[str]]:
+        """Detokenize ``ids`` and pass the text to the matcher; record the unit it forms."""
+        self._detok_held += len(ids)
+        piece = self.detokenizer.add(ids)
+        if piece:
+            self._units.append((self._detok_held, len(piece)))
+            self._detok_held = 0
+        return self.matcher.feed(piece, can_match)
+
+    def _release(self, piece: str) -> str:
+        """The text of the units that ``piece`` (what the matcher let through) completes."""
+        self._safe += piece
+        k = taken = 0
+        while k < len(self._units) and taken + self._units[k][1] <= len(self._safe):
+            self.num_released += self._units[k][0]
+            taken += self._units[k][1]
+            k += 1
+        del self._units[:k]
+        out, self._safe = self._safe[:taken], self._safe[taken:]
+        return out
+
+    def _end_units(self) -> None:
+        self._units.clear()
+        self._safe = ""
+        self._detok_held = 0
+        self.num_released = len(self.output_ids)
