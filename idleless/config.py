@@ -66,6 +66,7 @@ class EngineConfig:
     device: str = "cpu"
     disable_weight_prepack: bool = False  # bf16 on CPU: keep oneDNN- (and AMX-) packed weights (faster linears, weights x2-3 RAM)
     disable_cpu_kernels: bool = False  # CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, decode attention)
+    enable_deterministic_inference: bool = False  # batch-invariant kernels: a position's logits depend on its tokens only
     seed: int = 0
     context_length: Optional[int] = None  # defaults to the model's max_position_embeddings
     kv_cache_memory: str = "2GiB"  # bytes ("2GiB") or a fraction of available RAM ("0.2")

@@ -345,6 +345,297 @@ void merge_##SUF(float *out, float *lse, const T *o, const float *l, const int64
 DEFINE_KERNELS(f32, float)
 DEFINE_KERNELS(bf16, uint16_t)
 
+/* ---- Batch-invariant kernels (deterministic inference) ------------------------------------------
+ * A row's result must not depend on the other rows of a call, nor on how a computation is split between
+ * calls (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025; SGLang's
+ * --enable-deterministic-inference). bi_linear: every output element is one chain of float32 fused
+ * multiply-adds over k = 0 .. K-1 in order, whatever the number of rows or the tile the element falls
+ * in (the tiles only decide which chains run side by side; the fmaf chain is the same on AVX2, AVX-512
+ * and in scalar code). chunk_attn: keys in chunks of BI_CHUNK aligned to absolute positions, each
+ * reduced in one fixed order and folded into a running (max, sum, acc) state in position order, so a
+ * key range split between calls (a shared segment, then a request's tail) folds as in one call. */
+#define BI_PANEL 16    /* output columns per packed weight panel */
+#define BI_MR 6        /* rows per tile in bi_tile_rows (12 AVX2 accumulators) */
+#define BI_NP 4        /* panels per group: a lone row runs BI_NP * BI_PANEL chains side by side */
+#define BI_ROWS 64     /* rows per thread task of bi_linear (with one panel group) */
+#define BI_CHUNK 64    /* keys per softmax chunk of chunk_attn */
+#define BI_ATT_ROWS 16 /* query rows per thread task of chunk_attn (they share each gathered chunk) */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* 16 weights of a panel row as two float32 vectors */
+static inline void bi_load_f32(const float *w, __m256 *lo, __m256 *hi) {
+    *lo = _mm256_loadu_ps(w);
+    *hi = _mm256_loadu_ps(w + 8);
+}
+static inline void bi_load_bf16(const uint16_t *w, __m256 *lo, __m256 *hi) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+    *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+}
+#define BI_TILE_ROWS_SIMD(SUF)                                                                          \
+    {                                                                                                   \
+        __m256 a0l = _mm256_setzero_ps(), a0h = a0l, a1l = a0l, a1h = a0l, a2l = a0l, a2h = a0l;        \
+        __m256 a3l = a0l, a3h = a0l, a4l = a0l, a4h = a0l, a5l = a0l, a5h = a0l;                        \
+        for (int64_t kk = 0; kk < k; kk++) {                                                            \
+            __m256 wl, wh, xv;                                                                          \
+            bi_load_##SUF(w + kk * BI_PANEL, &wl, &wh);                                                 \
+            xv = _mm256_broadcast_ss(x + kk);                                                           \
+            a0l = _mm256_fmadd_ps(xv, wl, a0l); a0h = _mm256_fmadd_ps(xv, wh, a0h);                     \
+            xv = _mm256_broadcast_ss(x + ldx + kk);                                                     \
+            a1l = _mm256_fmadd_ps(xv, wl, a1l); a1h = _mm256_fmadd_ps(xv, wh, a1h);                     \
+            xv = _mm256_broadcast_ss(x + 2 * ldx + kk);                                                 \
+            a2l = _mm256_fmadd_ps(xv, wl, a2l); a2h = _mm256_fmadd_ps(xv, wh, a2h);                     \
+            xv = _mm256_broadcast_ss(x + 3 * ldx + kk);                                                 \
+            a3l = _mm256_fmadd_ps(xv, wl, a3l); a3h = _mm256_fmadd_ps(xv, wh, a3h);                     \
+            xv = _mm256_broadcast_ss(x + 4 * ldx + kk);                                                 \
+            a4l = _mm256_fmadd_ps(xv, wl, a4l); a4h = _mm256_fmadd_ps(xv, wh, a4h);                     \
+            xv = _mm256_broadcast_ss(x + 5 * ldx + kk);                                                 \
+            a5l = _mm256_fmadd_ps(xv, wl, a5l); a5h = _mm256_fmadd_ps(xv, wh, a5h);                     \
+        }                                                                                               \
+        __m256 all[12] = {a0l, a0h, a1l, a1h, a2l, a2h, a3l, a3h, a4l, a4h, a5l, a5h};                  \
+        for (int i = 0; i < 12; i++) _mm256_storeu_ps(acc + 8 * i, all[i]);                             \
+        return;                                                                                         \
+    }
+#define BI_TILE_COLS_SIMD(SUF)                                                                          \
+    {                                                                                                   \
+        __m256 a[2 * BI_NP];                                                                            \
+        for (int i = 0; i < 2 * BI_NP; i++) a[i] = _mm256_setzero_ps();                                 \
+        for (int64_t kk = 0; kk < k; kk++) {                                                            \
+            __m256 xv = _mm256_broadcast_ss(x + kk);                                                    \
+            for (int p = 0; p < BI_NP; p++) {                                                           \
+                __m256 wl, wh;                                                                          \
+                bi_load_##SUF(w + (p * k + kk) * BI_PANEL, &wl, &wh);                                   \
+                a[2 * p] = _mm256_fmadd_ps(xv, wl, a[2 * p]);                                           \
+                a[2 * p + 1] = _mm256_fmadd_ps(xv, wh, a[2 * p + 1]);                                   \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < 2 * np; i++) _mm256_storeu_ps(acc + 8 * i, a[i]);                           \
+        return;                                                                                         \
+    }
+#define BI_TILE_ROWS_SIMD_f32 BI_TILE_ROWS_SIMD(f32)
+#define BI_TILE_ROWS_SIMD_bf16 BI_TILE_ROWS_SIMD(bf16)
+#define BI_TILE_COLS_SIMD_f32 BI_TILE_COLS_SIMD(f32)
+#define BI_TILE_COLS_SIMD_bf16 BI_TILE_COLS_SIMD(bf16)
+#else
+#define BI_TILE_ROWS_SIMD_f32
+#define BI_TILE_ROWS_SIMD_bf16
+#define BI_TILE_COLS_SIMD_f32
+#define BI_TILE_COLS_SIMD_bf16
+#endif
+
+#define DEFINE_BI_KERNELS(SUF, T)                                                                              \
+/* Pack w [n, k] into bi_linear's layout: ceil(n / BI_PANEL) panels, each [k][BI_PANEL] (the panel's           \
+ * columns side by side for every k), zero past column n. wp holds ceil(n / BI_PANEL) * BI_PANEL * k. */       \
+void bi_linear_pack_##SUF(const T *w, int64_t n, int64_t k, T *wp) {                                           \
+    int64_t np = (n + BI_PANEL - 1) / BI_PANEL;                                                                \
+    _Pragma("omp parallel for if (n * k >= PAR_MIN_WORK)")                                                     \
+    for (int64_t p = 0; p < np; p++)                                                                           \
+        for (int64_t kk = 0; kk < k; kk++)                                                                     \
+            for (int64_t c = 0; c < BI_PANEL; c++) {                                                           \
+                int64_t col = p * BI_PANEL + c;                                                                \
+                wp[(p * k + kk) * BI_PANEL + c] = col < n ? w[col * k + kk] : (T)0;                            \
+            }                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+/* BI_MR rows times one panel: acc[r][c] = the fmaf chain over kk in order (see the section comment);          \
+ * AVX2 intrinsics where the compiler targets them (accumulators kept in registers), plain C otherwise:        \
+ * both compute the same chains, so both give the same bits. */                                                \
+static inline void bi_tile_rows_##SUF(const float *x, int64_t ldx, const T *w, int64_t k, float *acc) {        \
+    BI_TILE_ROWS_SIMD_##SUF                                                                                    \
+    float a[BI_MR][BI_PANEL] = {{0}};                                                                          \
+    for (int64_t kk = 0; kk < k; kk++)                                                                         \
+        for (int r = 0; r < BI_MR; r++)                                                                        \
+            for (int c = 0; c < BI_PANEL; c++)                                                                 \
+                a[r][c] = __builtin_fmaf(x[r * ldx + kk], LD_##SUF(w + kk * BI_PANEL + c), a[r][c]);           \
+    for (int r = 0; r < BI_MR; r++)                                                                            \
+        for (int c = 0; c < BI_PANEL; c++) acc[r * BI_PANEL + c] = a[r][c];                                    \
+}                                                                                                              \
+                                                                                                               \
+/* One row times BI_NP panels (the same chains as bi_tile_rows, more of them side by side for one row). */     \
+static inline void bi_tile_cols_##SUF(const float *x, const T *w, int64_t k, int64_t np, float *acc) {         \
+    BI_TILE_COLS_SIMD_##SUF                                                                                    \
+    float a[BI_NP][BI_PANEL] = {{0}};                                                                          \
+    for (int64_t kk = 0; kk < k; kk++) {                                                                       \
+        float xv = x[kk];                                                                                      \
+        for (int p = 0; p < BI_NP; p++)                                                                        \
+            for (int c = 0; c < BI_PANEL; c++)                                                                 \
+                a[p][c] = __builtin_fmaf(xv, LD_##SUF(w + (p * k + kk) * BI_PANEL + c), a[p][c]);              \
+    }                                                                                                          \
+    for (int p = 0; p < np; p++)                                                                               \
+        for (int c = 0; c < BI_PANEL; c++) acc[p * BI_PANEL + c] = a[p][c];                                    \
+}                                                                                                              \
+                                                                                                               \
+/* out[r, col] = T(chain(x[r], w[col]) + bias[col]) for r < m, col < n: x [m, k] (rows ldx apart), wp          \
+ * from bi_linear_pack, bias [n] or NULL, out rows ldo apart. Rows are converted to float32 (exact);           \
+ * tiles of BI_MR rows x 1 panel, the rows left over one by one across BI_NP panels; the threads split         \
+ * (row block, panel group) pairs. Returns 0 if the row buffer cannot be allocated, else 1. */                 \
+int bi_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const T *wp, int64_t n, const T *bias,      \
+                    T *out, int64_t ldo) {                                                                     \
+    int64_t np = (n + BI_PANEL - 1) / BI_PANEL, ngroups = (np + BI_NP - 1) / BI_NP;                            \
+    int64_t nrb = (m + BI_ROWS - 1) / BI_ROWS;                                                                 \
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k));                                              \
+    if (!xf) return 0;                                                                                         \
+    _Pragma("omp parallel for if (m * k >= PAR_MIN_WORK)")                                                     \
+    for (int64_t r = 0; r < m; r++)                                                                            \
+        for (int64_t kk = 0; kk < k; kk++) xf[r * k + kk] = LD_##SUF(x + r * ldx + kk);                        \
+    _Pragma("omp parallel for collapse(2) schedule(static) if (m * k * n >= 16 * PAR_MIN_WORK)")               \
+    for (int64_t rb = 0; rb < nrb; rb++)                                                                       \
+        for (int64_t gi = 0; gi < ngroups; gi++) {                                                             \
+            float acc[BI_MR * BI_NP * BI_PANEL];                                                               \
+            int64_t r0 = rb * BI_ROWS, r1 = r0 + BI_ROWS < m ? r0 + BI_ROWS : m;                               \
+            int64_t p0 = gi * BI_NP, pn = np - p0 < BI_NP ? np - p0 : BI_NP;                                   \
+            int64_t r = r0;                                                                                    \
+            for (; r + BI_MR <= r1; r += BI_MR)                                                                \
+                for (int64_t p = p0; p < p0 + pn; p++) {                                                       \
+                    bi_tile_rows_##SUF(xf + r * k, k, wp + p * k * BI_PANEL, k, acc);                          \
+                    for (int64_t i = 0; i < BI_MR; i++)                                                        \
+                        for (int64_t c = 0; c < BI_PANEL && p * BI_PANEL + c < n; c++) {                       \
+                            int64_t col = p * BI_PANEL + c;                                                    \
+                            float v = acc[i * BI_PANEL + c] + (bias ? LD_##SUF(bias + col) : 0.f);             \
+                            ST_##SUF(out + (r + i) * ldo + col, v);                                            \
+                        }                                                                                      \
+                }                                                                                              \
+            for (; r < r1; r++) {                                                                              \
+                if (pn == BI_NP) bi_tile_cols_##SUF(xf + r * k, wp + p0 * k * BI_PANEL, k, pn, acc);           \
+                else for (int64_t p = 0; p < pn; p++) {  /* the last group: fewer panels, the same chains */   \
+                    float a[BI_PANEL] = {0};                                                                   \
+                    const T *w = wp + (p0 + p) * k * BI_PANEL;                                                 \
+                    for (int64_t kk = 0; kk < k; kk++)                                                         \
+                        for (int c = 0; c < BI_PANEL; c++) a[c] = __builtin_fmaf(xf[r * k + kk], LD_##SUF(w + kk * BI_PANEL + c), a[c]); \
+                    for (int c = 0; c < BI_PANEL; c++) acc[p * BI_PANEL + c] = a[c];                           \
+                }                                                                                              \
+                for (int64_t c = 0; c < pn * BI_PANEL && p0 * BI_PANEL + c < n; c++) {                         \
+                    int64_t col = p0 * BI_PANEL + c;                                                           \
+                    float v = acc[c] + (bias ? LD_##SUF(bias + col) : 0.f);                                    \
+                    ST_##SUF(out + r * ldo + col, v);                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    free(xf);                                                                                                  \
+    return 1;                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+/* Attention with one reduction order per query row (deterministic inference). Item i: keys                    \
+ * slots[key_off[i]:key_off[i+1]] of k_cache / v_cache ([num_slots, nkv, d]), the first of them at an          \
+ * absolute position that is a multiple of BI_CHUNK; query rows rows[row_off[i]:row_off[i+1]] of q             \
+ * ([*, nh, d], rows q_stride apart); row entry j sees the first limits[j] keys (limits NULL: all).            \
+ * Per (row, head): keys in chunks of BI_CHUNK from the item's first key; per chunk the scaled scores          \
+ * (q.k summed in 16 float32 lanes, then the lanes in order), their max mc, p = exp(s - mc), lc = sum p        \
+ * and ac = sum p v in key order; folded into the state (m, l, acc) in chunk order: m' = max(m, mc),           \
+ * l' = l e^(m - m') + lc e^(mc - m'), acc' likewise (FlashAttention's rescaling, Dao et al. 2022).            \
+ * The state of row r, head h starts from st_m[r, h], st_l[r, h], st_acc[r, h, :] when st_m is not             \
+ * NULL (else -inf, 0, 0); store != 0 writes it back there (a shared segment, continued by a later             \
+ * call), store == 0 writes out[r, h, :] = T(acc / l) (0 for a row that saw no key). Rows must be              \
+ * distinct across a call's items. Returns 0 if buffers cannot be allocated, else 1. */                        \
+int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_items,        \
+                     const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
+                     const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
+                     float *st_l, float *st_acc, int store, T *out) {                                          \
+    int64_t grp = nh / nkv, ntasks = 0;                                                                        \
+    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_items + 1));                            \
+    if (!task_off) return 0;                                                                                   \
+    task_off[0] = 0;                                                                                           \
+    for (int64_t i = 0; i < n_items; i++) {                                                                    \
+        int64_t nr = row_off[i + 1] - row_off[i];                                                              \
+        ntasks += nkv * ((nr + BI_ATT_ROWS - 1) / BI_ATT_ROWS);                                                \
+        task_off[i + 1] = ntasks;                                                                              \
+    }                                                                                                          \
+    int64_t work = 0;                                                                                          \
+    for (int64_t i = 0; i < n_items; i++) work += (row_off[i + 1] - row_off[i]) * (key_off[i + 1] - key_off[i]); \
+    size_t per_thread = (size_t)(2 * BI_CHUNK * d + BI_CHUNK + 3 * BI_ATT_ROWS * grp * d + 2 * BI_ATT_ROWS * grp + d); \
+    int nt = MAX_THREADS();                                                                                    \
+    float *buf_all = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);                                 \
+    if (!buf_all) { free(task_off); return 0; }                                                                \
+    int ok = 1;                                                                                                \
+    _Pragma("omp parallel if (work * nh * d >= PAR_MIN_WORK)")                                                 \
+    {                                                                                                          \
+    float *kf = buf_all + per_thread * (size_t)THREAD_ID(), *vf = kf + BI_CHUNK * d, *s = vf + BI_CHUNK * d;   \
+    float *qf = s + BI_CHUNK, *acc = qf + BI_ATT_ROWS * grp * d, *ac = acc + BI_ATT_ROWS * grp * d;            \
+    float *mx = ac + BI_ATT_ROWS * grp * d, *sm = mx + BI_ATT_ROWS * grp;                                      \
+    _Pragma("omp for schedule(dynamic, 1)")                                                                    \
+    for (int64_t t = 0; t < ntasks; t++) {                                                                     \
+        int64_t it = 0;                                                                                        \
+        while (task_off[it + 1] <= t) it++;                                                                    \
+        int64_t local = t - task_off[it], kh = local % nkv, blk = local / nkv;                                 \
+        int64_t e0 = row_off[it] + blk * BI_ATT_ROWS, e1 = e0 + BI_ATT_ROWS;                                   \
+        if (e1 > row_off[it + 1]) e1 = row_off[it + 1];                                                        \
+        int64_t nkeys = key_off[it + 1] - key_off[it], maxlim = 0;                                             \
+        const int64_t *sl = slots + key_off[it];                                                               \
+        for (int64_t e = e0; e < e1; e++) {                                                                    \
+            int64_t lim = limits ? limits[e] : nkeys;                                                          \
+            if (lim > maxlim) maxlim = lim;                                                                    \
+            for (int64_t g = 0; g < grp; g++) {                                                                \
+                int64_t hd = kh * grp + g, si = (e - e0) * grp + g;                                            \
+                for (int64_t i = 0; i < d; i++) qf[si * d + i] = LD_##SUF(q + rows[e] * q_stride + hd * d + i); \
+                mx[si] = st_m ? st_m[rows[e] * nh + hd] : -INFINITY;                                           \
+                sm[si] = st_m ? st_l[rows[e] * nh + hd] : 0.f;                                                 \
+                for (int64_t i = 0; i < d; i++) acc[si * d + i] = st_m ? st_acc[(rows[e] * nh + hd) * d + i] : 0.f; \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {                                                    \
+            int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                      \
+            for (int64_t j = c0; j < c1; j++) {                                                                \
+                const T *kr = k_cache + (sl[j] * nkv + kh) * d, *vr = v_cache + (sl[j] * nkv + kh) * d;        \
+                for (int64_t i = 0; i < d; i++) { kf[(j - c0) * d + i] = LD_##SUF(kr + i); vf[(j - c0) * d + i] = LD_##SUF(vr + i); } \
+            }                                                                                                  \
+            for (int64_t e = e0; e < e1; e++) {                                                                \
+                int64_t lim = limits ? limits[e] : nkeys;                                                      \
+                if (lim <= c0) continue;                                                                       \
+                int64_t nn = (lim < c1 ? lim : c1) - c0;                                                       \
+                for (int64_t g = 0; g < grp; g++) {                                                            \
+                    int64_t si = (e - e0) * grp + g;                                                           \
+                    const float *qr = qf + si * d;                                                             \
+                    float mc = -INFINITY;                                                                      \
+                    for (int64_t j = 0; j < nn; j++) {                                                         \
+                        float p[16] = {0};                                                                     \
+                        int64_t i = 0;                                                                         \
+                        for (; i + 16 <= d; i += 16)                                                           \
+                            for (int l = 0; l < 16; l++) p[l] += qr[i + l] * kf[j * d + i + l];                \
+                        for (; i < d; i++) p[0] += qr[i] * kf[j * d + i];                                      \
+                        float sc = 0.f;                                                                        \
+                        for (int l = 0; l < 16; l++) sc += p[l];                                               \
+                        sc *= scale;                                                                           \
+                        s[j] = sc;                                                                             \
+                        mc = sc > mc ? sc : mc;                                                                \
+                    }                                                                                          \
+                    float lc = 0.f;                                                                            \
+                    for (int64_t j = 0; j < nn; j++) { s[j] = fast_expf(s[j] - mc); lc += s[j]; }              \
+                    for (int64_t i = 0; i < d; i++) ac[i] = 0.f;                                               \
+                    for (int64_t j = 0; j < nn; j++)                                                           \
+                        for (int64_t i = 0; i < d; i++) ac[i] += s[j] * vf[j * d + i];                         \
+                    float mo = mx[si], mn = mo > mc ? mo : mc;                                                 \
+                    float a = fast_expf(mo - mn), b = fast_expf(mc - mn);                                      \
+                    sm[si] = sm[si] * a + lc * b;                                                              \
+                    float *ar = acc + si * d;                                                                  \
+                    for (int64_t i = 0; i < d; i++) ar[i] = ar[i] * a + ac[i] * b;                             \
+                    mx[si] = mn;                                                                               \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t e = e0; e < e1; e++)                                                                      \
+            for (int64_t g = 0; g < grp; g++) {                                                                \
+                int64_t hd = kh * grp + g, si = (e - e0) * grp + g;                                            \
+                const float *ar = acc + si * d;                                                                \
+                if (store) {                                                                                   \
+                    st_m[rows[e] * nh + hd] = mx[si];                                                          \
+                    st_l[rows[e] * nh + hd] = sm[si];                                                          \
+                    for (int64_t i = 0; i < d; i++) st_acc[(rows[e] * nh + hd) * d + i] = ar[i];               \
+                } else {                                                                                       \
+                    float l = sm[si];                                                                          \
+                    for (int64_t i = 0; i < d; i++) ST_##SUF(out + (rows[e] * nh + hd) * d + i, l > 0.f ? ar[i] / l : 0.f); \
+                }                                                                                              \
+            }                                                                                                  \
+    }                                                                                                          \
+    }                                                                                                          \
+    free(buf_all);                                                                                             \
+    free(task_off);                                                                                            \
+    return ok;                                                                                                 \
+}
+
+DEFINE_BI_KERNELS(f32, float)
+DEFINE_BI_KERNELS(bf16, uint16_t)
+
 /* ---- Ragged attention on AMX (bfloat16) ------------------------------------------------------------
  * Many query rows against shared key lists read straight from the KV pool: the shared segments of
  * cascade attention (every row sees every key) and the tails of requests extending by several

@@ -54,6 +54,12 @@ _SIGNATURES = {
     "decode_attn": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
     "merge": [_P, _P, _P, _P, _P, _P, _I, _I, _I],
 }
+# kernels in both dtypes that return int (1 = done, 0 = out of memory): the batch-invariant ones
+_SIGNATURES_INT = {
+    "bi_linear_pack": [_P, _I, _I, _P],
+    "bi_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I],
+    "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P],
+}
 # kernels without a float32 twin: name -> (argtypes, restype)
 _BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
               "amx_linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
@@ -156,6 +162,10 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, f"{name}_{suf}")
             fn.argtypes, fn.restype = argtypes, None
+            setattr(self, f"_{name}", fn)
+        for name, argtypes in _SIGNATURES_INT.items():
+            fn = getattr(lib, f"{name}_{suf}")
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
             setattr(self, f"_{name}", fn)
         lib.amx_available.argtypes, lib.amx_available.restype = [], ctypes.c_int
         # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
@@ -341,3 +351,77 @@ class CpuKernels:
         if not self._amx_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise ValueError("amx_linear: not supported for this shape")
         return out
+
+    # ---- batch-invariant kernels (deterministic inference; see the section comment in cpu_kernels.c) ----
+    #: output columns per packed panel of bi_linear, and keys per softmax chunk of chunk_attn (the
+    #: alignment a shared segment's end must have, so that a split key range folds as one)
+    BI_PANEL = 16
+    BI_CHUNK = 64
+
+    def bi_pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] in the kernels' dtype -> bi_linear's panel layout: a new tensor
+        [ceil(N / BI_PANEL), K, BI_PANEL], zero past column N (the weight's bytes again)."""
+        self._check(weight)
+        n, k = weight.shape
+        w = weight.contiguous()
+        wp = torch.empty((n + self.BI_PANEL - 1) // self.BI_PANEL, k, self.BI_PANEL, dtype=self.dtype)
+        self._bi_linear_pack(w.data_ptr(), n, k, wp.data_ptr())
+        return wp
+
+    def bi_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Batch-invariant y = x W^T (+ bias): x [M, K] (rows may be strided), W [N, K] packed by
+        ``bi_pack_weight``, bias [N] -> new [M, N] in the kernels' dtype. Each output element is one
+        float32 fused-multiply-add chain over k in order, rounded once (after the bias), so a row's
+        result is bit-identical for any M and any other rows (and on AVX2, AVX-512 or scalar builds).
+        Raises ValueError on a layout mismatch, MemoryError if the row buffer cannot be allocated."""
+        self._check(x)
+        m, k = x.shape
+        if x.stride(1) != 1 or packed.shape != ((n + self.BI_PANEL - 1) // self.BI_PANEL, k, self.BI_PANEL) \
+                or packed.dtype != self.dtype or not packed.is_contiguous():
+            raise ValueError("bi_linear: layout mismatch")
+        if bias is not None:
+            self._check(bias)
+            if bias.numel() != n or not bias.is_contiguous():
+                raise ValueError("bi_linear: bias must be contiguous [N]")
+        out = torch.empty(m, n, dtype=self.dtype)
+        if m and not self._bi_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
+                                     out.data_ptr(), n):
+            raise MemoryError("bi_linear: cannot allocate the row buffer")
+        return out
+
+    def chunk_attn(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_offsets: torch.Tensor,
+                   slots: torch.Tensor, row_offsets: torch.Tensor, rows: torch.Tensor,
+                   limits: Optional[torch.Tensor], scale: float, out: Optional[torch.Tensor],
+                   state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                   store: bool = False) -> None:
+        """Attention with one reduction order per query row (see the section comment in cpu_kernels.c).
+        Item i: keys slots[key_offsets[i]:key_offsets[i+1]] of k_cache / v_cache [num_slots, Hkv, D],
+        the first at an absolute position that is a multiple of BI_CHUNK; query rows
+        rows[row_offsets[i]:row_offsets[i+1]] of q [T, H, D] (heads contiguous, rows may be strided);
+        row entry j sees the first limits[j] keys (limits None: all). state: (m [*, H], l [*, H],
+        acc [*, H, D]) float32, contiguous: each row's running softmax state is read from it (else it
+        starts empty); store True writes it back there instead of writing out [*, H, D] (the kernels'
+        dtype) = acc / l. Rows must be distinct across items. Index tensors int64, contiguous.
+        Raises ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
+        self._check(q, k_cache, v_cache)
+        _, H, D = q.shape
+        Hkv = k_cache.shape[1]
+        n = key_offsets.numel() - 1
+        if (q.stride(2) != 1 or q.stride(1) != D or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or v_cache.shape != k_cache.shape or k_cache.shape[2] != D or H % Hkv or n < 0
+                or row_offsets.numel() != n + 1 or (limits is not None and limits.numel() != rows.numel())
+                or (store and state is None) or (not store and (out is None or out.dtype != self.dtype
+                                                                 or out.shape[1:] != (H, D) or not out.is_contiguous()))):
+            raise ValueError("chunk_attn: layout mismatch")
+        if state is not None:
+            m, l, acc = state
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in state) or m.shape[1:] != (H,) \
+                    or l.shape != m.shape or acc.shape[1:] != (H, D):
+                raise ValueError("chunk_attn: state must be contiguous float32 (m [*, H], l [*, H], acc [*, H, D])")
+        _check_index(key_offsets, slots, row_offsets, rows, *(() if limits is None else (limits,)))
+        st = state if state is not None else (None, None, None)
+        if not self._chunk_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
+                                key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
+                                _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out)):
+            raise MemoryError("chunk_attn: cannot allocate its buffers")

@@ -16,8 +16,12 @@ Methods here: ``PlainLinearMethod`` (``F.linear``, any device and dtype); ``OneD
 decode, where every weight is read once per step, costs about as much as the product; a copy packed once
 gives bit-identical results faster); ``AmxLinearMethod`` (CPUs with AMX tiles: batches of
 up to ``CpuKernels.AMX_LINEAR_MAX_ROWS`` rows, i.e. decode steps, in ``cpu_kernels.amx_linear`` from a
-tile-layout copy, where oneDNN's per-call cost is high; larger batches stay on oneDNN). A quantized
-weight format is a new method, not a branch in these.
+tile-layout copy, where oneDNN's per-call cost is high; larger batches stay on oneDNN). For
+deterministic inference, where a row's result must not depend on the other rows of the batch (a GEMM
+library picks another kernel, hence another summation order, for another number of rows):
+``InvariantLinearMethod`` (``cpu_kernels.bi_linear``: one float32 FMA chain per output element, any
+number of rows) and, without the kernels, ``TiledLinearMethod`` (``F.linear`` on fixed 16-row tiles).
+A quantized weight format is a new method, not a branch in these.
 """
 
 from __future__ import annotations
@@ -148,13 +152,52 @@ class AmxLinearMethod(OneDnnLinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
+class InvariantLinearMethod(LinearMethod):
+    """Batch-invariant: ``cpu_kernels.bi_linear`` on a panel-packed copy of the weight (``layer.bi``,
+    the same bytes again): every output element is one float32 fused-multiply-add chain over the input
+    features in order, rounded once, whatever the number of rows. kernels: a CpuKernels of the model
+    dtype."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def process_after_load(self, layer: "Linear") -> int:
+        layer.bi = self.kernels.bi_pack_weight(layer.weight.detach())
+        return layer.bi.numel() * layer.bi.element_size()
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.bi_linear(x, layer.bi, layer.weight.shape[0], layer.bias)
+
+
+class TiledLinearMethod(LinearMethod):
+    """Batch invariance without our kernels: ``F.linear`` on tiles of exactly ``TILE`` rows (the last
+    one zero-padded), so the GEMM library sees one shape and runs one kernel whatever the batch. This
+    rests on the library computing a row's result independently of its neighbours at a fixed shape,
+    which the tests check on the machine they run on (MKL / oneDNN do; they switch kernels between
+    shapes, hence the tiles)."""
+
+    TILE = 16
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pad = -m % self.TILE
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        out = torch.cat([F.linear(t, layer.weight, layer.bias) for t in x.split(self.TILE)])
+        return out[:m] if pad else out
+
+
 PLAIN = PlainLinearMethod()
 
 
-def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack: bool, kernels) -> LinearMethod:
+def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack: bool, kernels,
+                         deterministic: bool = False) -> LinearMethod:
     """The linear method for a model, chosen once at load: AMX tiles (with oneDNN for large batches)
     where the CPU kernels have them, else oneDNN-packed where ``can_prepack``, else plain ``F.linear``;
-    plain whenever ``disable_weight_prepack``. kernels: the model dtype's CpuKernels or None."""
+    plain whenever ``disable_weight_prepack``. deterministic: a batch-invariant method (the kernels'
+    ``InvariantLinearMethod``, else ``TiledLinearMethod``). kernels: the model dtype's CpuKernels or None."""
+    if deterministic:
+        return InvariantLinearMethod(kernels) if kernels is not None and kernels.dtype == dtype else TiledLinearMethod()
     if disable_weight_prepack or not can_prepack(dtype, device):
         return PLAIN
     if kernels is not None and kernels.dtype == dtype and kernels.has_amx:

@@ -114,8 +114,9 @@ class ModelRunner:
         self.context_length = config.context_length or mc.max_position_embeddings
         self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
         self.ops = select_ops(self.kernels)
+        det = config.enable_deterministic_inference
         self.linear_method = select_linear_method(self.dtype, config.device, config.disable_weight_prepack,
-                                                  self.kernels)
+                                                  self.kernels, deterministic=det)
         self.model = LlamaForCausalLM(mc, self.context_length, self.ops, self.linear_method)
         self.model.to(self.dtype)
         self.model.rope.cos = self.model.rope.cos.float()
@@ -128,7 +129,7 @@ class ModelRunner:
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size)
         self.backend = CompositeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                                          getattr(mc, "sliding_window", None), self.kernels)
+                                          getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
                  self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,

@@ -31,6 +31,7 @@ from idleless.cache.kv_pool import KVPool
 from idleless.model.attention.base import AttentionBackend, AttnWork, BackendPlan, Tails
 from idleless.model.attention.decode import FusedDecodeAttention
 from idleless.model.attention.flash import PaddedFlashAttention
+from idleless.model.attention.invariant import ChunkedAttention, TorchChunkedAttention
 from idleless.model.attention.ragged import RaggedAmxAttention
 
 # A stretch shared by several requests becomes its own segment when it is at least this long (tokens);
@@ -82,6 +83,15 @@ def find_shared_segments(prefix_lens: list[int], slot_tables: list[torch.Tensor]
     return segments, shared
 
 
+def align_segments(segments: list[tuple[list[int], int, int]], shared: list[int], align: int
+                   ) -> tuple[list[tuple[list[int], int, int]], list[int]]:
+    """``find_shared_segments``' result with every boundary rounded down to a multiple of ``align``
+    (segments left empty dropped): a request's segments and tail still tile its keys, and every piece
+    starts at an aligned position (what a backend that reduces keys in aligned chunks needs)."""
+    out = [(reqs, a // align * align, b // align * align) for reqs, a, b in segments]
+    return [s for s in out if s[2] > s[1]], [x // align * align for x in shared]
+
+
 @dataclass
 class AttnMetadata:
     """One batch's plan: parts (backend, its plan), tail-only backends first and the segments' backend
@@ -113,10 +123,14 @@ class CompositeAttention:
 
     Routing attributes (backends): ``decode_backend`` (tails of one new token), ``extend_backend``
     (tails of several), ``segment_backend``; ``flash`` takes everything under a sliding window.
-    ``use_segments`` False attends shared prefixes inside each tail."""
+    ``use_segments`` False attends shared prefixes inside each tail.
+
+    deterministic: every part goes to the batch-invariant backend (``invariant.ChunkedAttention``, or
+    its PyTorch twin without kernels), with shared segments aligned to its chunks, so a row's output
+    does not depend on the batch; raises ValueError for a sliding-window model then."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None, kernels=None):
+                 sliding_window: int | None = None, kernels=None, deterministic: bool = False):
         self.pool = pool
         self._k_layers = list(pool.k_cache)  # per-layer views [num_slots, Hkv, D], made once (not per call)
         self._v_layers = list(pool.v_cache)
@@ -131,6 +145,14 @@ class CompositeAttention:
         self.decode_backend: AttentionBackend = decode or self.flash
         self.extend_backend: AttentionBackend = ragged or self.flash
         self.segment_backend: AttentionBackend = ragged or self.flash
+        self.segment_align = 1
+        if deterministic:
+            if sliding_window is not None:
+                raise ValueError("deterministic inference does not support sliding-window attention yet")
+            inv = ChunkedAttention(kern, num_heads, head_dim) if kern is not None else \
+                TorchChunkedAttention(num_heads, head_dim)
+            self.decode_backend = self.extend_backend = self.segment_backend = inv
+            self.segment_align = inv.segment_align
         self._write_kv = self._write_kv_kernel if kern is not None else self._write_kv_torch  # chosen once
 
     def prepare(self, extend_lens: list[int], prefix_lens: list[int],
@@ -149,6 +171,8 @@ class CompositeAttention:
         seg_list, shared = [], [0] * B
         if self.use_segments and B > 1 and window is None:
             seg_list, shared = find_shared_segments(prefix_lens, slot_tables)
+            if self.segment_align > 1:
+                seg_list, shared = align_segments(seg_list, shared, self.segment_align)
         segments = [(torch.tensor([r for i in reqs for r in range(starts[i], starts[i] + extend_lens[i])]),
                      slot_tables[reqs[0]][a:b]) for reqs, a, b in seg_list]
         if window is None:

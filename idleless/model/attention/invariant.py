@@ -1,0 +1,145 @@
+"""Batch-invariant attention (deterministic inference): one reduction order per query row.
+
+A row's output is a function of its query and its keys only: not of the other rows in the batch, of
+whether its keys came from the prefix cache or were computed in this step, of how its prompt was
+chunked, or of whether part of its keys were attended as a shared segment. Keys are taken in chunks
+of ``CHUNK`` aligned to absolute positions; each chunk is reduced in one fixed order and folded into
+a running (max, sum, acc) softmax state in position order (FlashAttention's rescaling, Dao et al.,
+arXiv 2205.14135), so a shared segment [0, s) (s a multiple of ``CHUNK``) attended once for many rows
+and continued by each row's tail gives the bits of one pass over all keys (Thinking Machines,
+"Defeating Nondeterminism in LLM Inference", 2025; SGLang's ``--enable-deterministic-inference``).
+The composite aligns shared segments to ``segment_align`` for this.
+
+``ChunkedAttention`` runs ``cpu_kernels.chunk_attn``; ``TorchChunkedAttention`` is the same algorithm in
+PyTorch ops (the fallback without the C kernels: each chunk padded to ``CHUNK`` keys so every
+reduction has one shape; invariant on its own, not bit-equal to the kernel's exp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from idleless.model.attention.base import AttentionBackend, AttnWork, BackendPlan
+
+CHUNK = 64  # keys per softmax chunk; equals cpu_kernels.CpuKernels.BI_CHUNK
+
+
+@dataclass
+class ChunkCall:
+    """One kernel call: items i with keys slots[key_offsets[i]:key_offsets[i+1]] and query rows
+    rows[row_offsets[i]:row_offsets[i+1]], row entry j seeing its first limits[j] keys (None: all).
+    int64 tensors; the first key of every item sits at a multiple of CHUNK."""
+
+    key_offsets: torch.Tensor
+    slots: torch.Tensor
+    row_offsets: torch.Tensor
+    rows: torch.Tensor
+    limits: torch.Tensor | None
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+
+
+class ChunkedAttention(AttentionBackend):
+    """All of a batch (tails and shared segments) in one kernel family with one reduction order per
+    row (module docstring). kernels: a cpu_kernels.CpuKernels of the pool's dtype."""
+
+    segment_align = CHUNK
+
+    def __init__(self, kernels, num_heads: int, head_dim: int):
+        self.kernels = kernels
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def prepare(self, work: AttnWork) -> BackendPlan:
+        """Tails as one call (row r of a tail with p earlier keys sees p + r + 1 keys); each shared
+        segment as a call of its own, in the order given (a segment nested in another comes after it).
+        Raises ValueError under a sliding window."""
+        if work.window is not None:
+            raise ValueError("batch-invariant attention does not take a sliding window")
+        tails = []
+        t = work.tails
+        if t is not None:
+            rows = [torch.arange(s, s + n) for s, n in zip(t.starts, t.new)]
+            limits = [torch.arange(p + 1, p + n + 1) for p, n in zip(t.past, t.new)]
+            tails.append(ChunkCall(_offsets([int(s.numel()) for s in t.slots]), torch.cat(t.slots),
+                                   _offsets(list(t.new)), torch.cat(rows), torch.cat(limits)))
+        segs = [ChunkCall(_offsets([int(sl.numel())]), sl, _offsets([int(r.numel())]), r, None)
+                for r, sl in work.segments]
+        return BackendPlan(tails, segs)
+
+    def covers_batch(self, plan: BackendPlan, num_tokens: int) -> bool:
+        return bool(plan.tails) and int(plan.tails[0].rows.numel()) == num_tokens
+
+    def forward(self, q, kc, vc, layer_id, plan, out, lse):
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
+        state = None
+        if plan.segments:
+            T, H, D = q.shape
+            state = (torch.full((T, H), float("-inf")), torch.zeros(T, H), torch.zeros(T, H, D))
+            for c in plan.segments:
+                self._call(q, kc, vc, c, None, state, True)
+        for c in plan.tails:
+            self._call(q, kc, vc, c, out, state, False)
+        return out
+
+    def _call(self, q, kc, vc, c: ChunkCall, out, state, store: bool) -> None:
+        self.kernels.chunk_attn(q, kc, vc, c.key_offsets, c.slots, c.row_offsets, c.rows, c.limits, self.scale,
+                                out, state, store)
+
+
+class TorchChunkedAttention(ChunkedAttention):
+    """``ChunkedAttention``'s algorithm in PyTorch ops (no kernels of ours): per item and chunk of CHUNK
+    keys (padded to CHUNK, padding masked), float32 scores as an elementwise product summed over the
+    head dimension, chunk max / exp / sum, the fold into the state. Any device PyTorch runs on."""
+
+    def __init__(self, num_heads: int, head_dim: int):
+        super().__init__(None, num_heads, head_dim)
+
+    def _call(self, q, kc, vc, c: ChunkCall, out, state, store: bool) -> None:
+        T, H, D = q.shape
+        grp = H // kc.shape[1]
+        ko, ro = c.key_offsets.tolist(), c.row_offsets.tolist()
+        for i in range(len(ko) - 1):
+            rows = c.rows[ro[i]:ro[i + 1]]
+            if rows.numel() == 0:
+                continue
+            slots = c.slots[ko[i]:ko[i + 1]]
+            nkeys = int(slots.numel())
+            lim = c.limits[ro[i]:ro[i + 1]] if c.limits is not None else torch.full((rows.numel(),), nkeys)
+            qf = q.index_select(0, rows).float()  # [R, H, D]
+            if state is not None:
+                m, l, acc = state[0][rows], state[1][rows], state[2][rows]
+            else:
+                m = torch.full((rows.numel(), H), float("-inf"))
+                l, acc = torch.zeros(rows.numel(), H), torch.zeros(rows.numel(), H, D)
+            for c0 in range(0, int(lim.max()), CHUNK):
+                idx = torch.arange(c0, c0 + CHUNK)
+                valid = idx < nkeys
+                sl = slots[idx.clamp(max=nkeys - 1)]
+                k = kc.index_select(0, sl).float().repeat_interleave(grp, 1)  # [CHUNK, H, D]
+                v = vc.index_select(0, sl).float().repeat_interleave(grp, 1)
+                s = (qf[:, :, None, :] * k.transpose(0, 1)[None]).sum(-1) * self.scale  # [R, H, CHUNK]
+                seen = (idx[None, :] < lim[:, None]) & valid[None, :]  # [R, CHUNK]
+                s = s.masked_fill(~seen[:, None, :], float("-inf"))
+                mc = s.amax(-1)  # [R, H]; -inf for a row that sees no key of this chunk
+                live = mc > float("-inf")
+                p = torch.exp(s - torch.where(live, mc, 0.0)[..., None])
+                lc = p.sum(-1)
+                ac = (p[..., None] * v.transpose(0, 1)[None]).sum(-2)  # [R, H, D]
+                mn = torch.maximum(m, mc)
+                a = torch.where(m > float("-inf"), torch.exp(m - mn), 0.0)
+                b = torch.where(live, torch.exp(mc - mn), 0.0)
+                l = l * a + lc * b
+                acc = acc * a[..., None] + ac * b[..., None]
+                m = torch.where(live, mn, m)
+            if store:
+                state[0][rows], state[1][rows], state[2][rows] = m, l, acc
+            else:
+                o = torch.where(l[..., None] > 0, acc / l.clamp(min=1e-38)[..., None], 0.0)
+                out[rows] = o.to(out.dtype)
