@@ -353,7 +353,6 @@ BAD = [
     ("/v1/completions", {**COMP, "prompt": "hello " * 400_000}, "prompt", "context_length_exceeded"),
     ("/v1/completions", {**COMP, "prompt": "hello " * 20_000}, "prompt", "context_length_exceeded"),
     ("/v1/completions", {**COMP, "logprobs": 30}, "logprobs", None),
-    ("/v1/completions", {**COMP, "echo": True, "logprobs": 1}, "echo", None),
     ("/v1/completions", {**COMP, "max_tokens": 1.5}, "max_tokens", None),
     ("/v1/completions", {**COMP, "n": "two"}, "n", None),
     ("/generate", {"sampling_params": {}}, None, None),

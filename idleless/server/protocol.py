@@ -5,7 +5,8 @@ values out of range) raises :class:`APIError` carrying the HTTP status and the O
 ``{"error": {"message", "type", "param", "code"}}``, so nothing malformed reaches the engine.
 Unknown fields are ignored (clients send many optional OpenAI fields); fields that would change the
 output but that we cannot honour (``logit_bias``, ``response_format`` other than text, tools,
-``suffix``, ``best_of`` > n, echo with logprobs) are rejected with 400 rather than silently ignored.
+``suffix``, ``best_of`` > n, ``prompt_logprobs`` with ``stream``) are rejected with 400 rather than
+silently ignored.
 
 Sampling fields map onto :class:`idleless.engine.request.SamplingParams` via ``to_sampling_params``;
 range checks on values (NaN, negative, out of range) are ``SamplingParams.validate``'s, done by the
@@ -17,15 +18,16 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_serializer
 
 from idleless.engine.request import RequestError, SamplingParams
+from idleless.sampling_params import MAX_LOGPROBS
 
 # token ids are strict ints: pydantic's lax mode would turn true, 1.0 or "5" into ids
 TokenIds = list[StrictInt]
 
 MAX_N = 16  # choices per prompt (n); each is an engine request
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # top_logprobs, logprobs, prompt_logprobs, top_logprobs_num: vLLM's cap (20)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 1024
 MAX_PROMPTS = 64  # prompts in one /v1/completions list
@@ -172,9 +174,26 @@ class _SamplingRequest(_Lenient):
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
 
-    def to_sampling_params(self, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        """The engine's SamplingParams (n kept; the client expands it). Raises APIError(400) for
-        fields we do not support; value ranges are checked later by SamplingParams.validate."""
+    def _check_prompt_logprobs(self) -> None:
+        """vLLM's ``prompt_logprobs``: an int in [0, MAX_TOP_LOGPROBS], never with ``stream`` (as vLLM:
+        the entries of the whole prompt come in one piece). APIError(400) otherwise."""
+        pl = getattr(self, "prompt_logprobs", None)
+        if pl is None:
+            return
+        if not 0 <= pl <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {pl}",
+                           param="prompt_logprobs", code="invalid_value")
+        if self.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream (use echo with logprobs on "
+                           "/v1/completions)", param="prompt_logprobs", code="invalid_value")
+
+    def to_sampling_params(self, logprobs: bool, top_logprobs: int, prompt_logprobs: Optional[int] = None,
+                           scores_prompt: bool = False) -> SamplingParams:
+        """The engine's SamplingParams (n kept; the client expands it). ``prompt_logprobs``: top k of
+        the prompt's entries (None: none); ``scores_prompt``: the request returns the prompt's logprobs
+        (echo or prompt_logprobs), so max_tokens 0 (score without generating) is allowed. Raises
+        APIError(400) for fields we do not support; value ranges are checked later by
+        SamplingParams.validate."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
@@ -201,9 +220,9 @@ class _SamplingRequest(_Lenient):
             raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs",
                            code="invalid_value")
         mnt = self._max_new_tokens()
-        if mnt is not None and mnt < 1:
-            raise APIError(400, f"max_tokens must be >= 1 (or null for up to the context), got {mnt}",
-                           param="max_tokens", code="invalid_value")
+        if mnt is not None and mnt < (0 if scores_prompt else 1):
+            raise APIError(400, f"max_tokens must be >= 1 (or null for up to the context; 0 only to score the "
+                           f"prompt: echo or prompt_logprobs), got {mnt}", param="max_tokens", code="invalid_value")
 
         def d(v, default):
             return default if v is None else v
@@ -216,7 +235,7 @@ class _SamplingRequest(_Lenient):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=d(self.skip_special_tokens, True), logprobs=logprobs, top_logprobs=top_logprobs,
-            n=n))
+            prompt_logprobs=prompt_logprobs, n=n))
 
     @staticmethod
     def _harden(params: SamplingParams) -> SamplingParams:
@@ -244,11 +263,14 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a list
     of token-id lists (each is a prompt with ``n`` choices; choice index = prompt_index * n + i).
     ``max_tokens`` omitted = 16 (OpenAI's default); null = up to the context. ``logprobs``: number of
-    top alternatives per token (0..20; 0 = only the sampled token's)."""
+    top alternatives per token (0..20; 0 = only the sampled token's); with ``echo`` the prompt's tokens
+    get entries too (the first null, as OpenAI), and ``max_tokens`` 0 scores the prompt without
+    generating. ``prompt_logprobs`` (vLLM's): each choice's ``prompt_logprobs`` in vLLM's shape."""
 
     prompt: PromptType
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[StrictInt] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
@@ -266,11 +288,13 @@ class CompletionRequest(_SamplingRequest):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs",
                            code="invalid_value")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server does not compute",
-                           param="echo", code="unsupported_parameter")
+        self._check_prompt_logprobs()
         want = self.logprobs is not None
-        return self.to_sampling_params(want, self.logprobs or 0)
+        prompt_k = self.prompt_logprobs
+        if prompt_k is None and self.echo and want:  # echo scores the prompt with the same k (vLLM)
+            prompt_k = self.logprobs
+        return self.to_sampling_params(want, self.logprobs or 0, prompt_k,
+                                       scores_prompt=bool(self.echo) or prompt_k is not None)
 
 
 class TextPart(_Lenient):
@@ -303,12 +327,14 @@ class ChatMessage(_Lenient):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions. ``max_completion_tokens`` (newer OpenAI name) wins over
     ``max_tokens``; both omitted or null = up to the context. ``logprobs`` (bool) with
-    ``top_logprobs`` (0..20) alternatives per token."""
+    ``top_logprobs`` (0..20) alternatives per token. ``prompt_logprobs`` (vLLM's): the rendered
+    prompt's entries in the response's ``prompt_logprobs``; then ``max_tokens`` 0 scores only."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[StrictInt] = None
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     tools: Optional[list[Any]] = None
@@ -326,22 +352,43 @@ class ChatCompletionRequest(_SamplingRequest):
                                             self.messages[-1].role != "assistant"):
             raise APIError(400, "continue_final_message needs add_generation_prompt=false and a final "
                            "assistant message", param="continue_final_message", code="invalid_value")
-        return self.to_sampling_params(bool(self.logprobs), self.top_logprobs or 0)
+        self._check_prompt_logprobs()
+        return self.to_sampling_params(bool(self.logprobs), self.top_logprobs or 0, self.prompt_logprobs,
+                                       scores_prompt=self.prompt_logprobs is not None)
 
 
 class GenerateRequest(_Lenient):
     """POST /generate (native): ``input_ids`` (token ids) or ``text``; ``sampling_params`` uses the
     engine's names (max_new_tokens, temperature, top_p, top_k, min_p, penalties, stop,
-    stop_token_ids, ignore_eos, min_new_tokens, seed, n, logprobs, top_logprobs, ...)."""
+    stop_token_ids, ignore_eos, min_new_tokens, seed, n, logprobs, top_logprobs, ...).
+
+    Logprobs as SGLang's /generate: ``return_logprob`` returns the output tokens' logprobs and, from
+    prompt position ``logprob_start_len`` on (-1, the default: none of the prompt), the prompt's;
+    ``top_logprobs_num`` alternatives per position (0..20); ``return_text_in_logprobs`` adds each
+    token's text. The prompt's entries are set with these, not in ``sampling_params``."""
 
     input_ids: Optional[TokenIds] = None
     text: Optional[str] = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: Optional[bool] = False
     rid: Optional[str] = None
+    return_logprob: Optional[StrictBool] = False
+    logprob_start_len: Optional[StrictInt] = -1
+    top_logprobs_num: Optional[StrictInt] = 0
+    return_text_in_logprobs: Optional[StrictBool] = False
 
     def params(self) -> SamplingParams:
-        allowed = set(SamplingParams.__dataclass_fields__)
+        allowed = set(SamplingParams.__dataclass_fields__) - {"prompt_logprobs", "prompt_logprobs_start"}
+        if {"prompt_logprobs", "prompt_logprobs_start"} & set(self.sampling_params):
+            raise APIError(400, "set the prompt's logprobs with return_logprob and logprob_start_len (SGLang's "
+                           "fields), not in sampling_params", param="sampling_params", code="invalid_value")
+        start, top = self.logprob_start_len, self.top_logprobs_num
+        if start is None or start < -1:
+            raise APIError(400, f"logprob_start_len must be -1 (none of the prompt) or a prompt position >= 0, "
+                           f"got {start}", param="logprob_start_len", code="invalid_value")
+        if top is None or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                           param="top_logprobs_num", code="invalid_value")
         unknown = set(self.sampling_params) - allowed
         if unknown:
             raise APIError(400, f"unknown sampling_params: {sorted(unknown)}", param="sampling_params",
@@ -373,6 +420,10 @@ class GenerateRequest(_Lenient):
         if not isinstance(sti, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
             raise APIError(400, "sampling_params.stop_token_ids must be a list of ints",
                            param="sampling_params.stop_token_ids", code="invalid_type")
+        if self.return_logprob:
+            kw.update(logprobs=True, top_logprobs=top)
+            if start >= 0:
+                kw.update(prompt_logprobs=top, prompt_logprobs_start=start)
         p = _SamplingRequest._harden(SamplingParams(**kw))
         if not 1 <= p.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}]", param="sampling_params.n", code="invalid_value")
@@ -435,12 +486,27 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+    """Legacy completions logprobs: parallel lists, one entry per token: with echo the prompt's (the
+    first has no logprob: null, as OpenAI) and then the generated ones."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[Optional[float]] = Field(default_factory=list)
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class VllmLogprob(BaseModel):
+    """One token of vLLM's ``prompt_logprobs`` dicts (keyed by token id): its logprob, its rank (1 =
+    the most likely) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: per prompt token None (the first) or {token id: VllmLogprob} holding the
+# prompt token and the top k
+VllmPromptLogprobs = list[Optional[dict[int, VllmLogprob]]]
 
 
 class CompletionChoice(BaseModel):
@@ -449,6 +515,7 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[VllmPromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -499,6 +566,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[VllmPromptLogprobs] = None  # vLLM's: one rendered prompt for all choices
 
 
 class DeltaMessage(BaseModel):

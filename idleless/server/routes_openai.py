@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from idleless.server.asgi import sse
 from idleless.server.context import ServerContext
 from idleless.server.engine_client import Submission
-from idleless.server.logprobs import chat_logprobs, completion_logprobs
+from idleless.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
 from idleless.server.protocol import (MAX_PROMPTS, APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessageOut, ChatStreamChoice, CompletionChoice,
                                       CompletionChunk, CompletionRequest, CompletionResponse, CompletionStreamChoice,
@@ -59,39 +59,51 @@ class ChatStream:
 
 
 class CompletionStream:
-    """Text completion chunks: the echoed prompt per choice first (``echo_of(index)``, None without
-    echo), then text deltas with their logprobs (``text_offset`` counted per choice); usage as in
-    ChatStream."""
+    """Text completion chunks: text deltas with their logprobs (``text_offset`` counted per choice);
+    with echo (``echo_of(index)`` the prompt's text, None without echo) a choice's first chunk starts
+    with its echoed prompt and, with ``echo_logprobs``, the prompt's logprob entries (its
+    ``RequestState`` has them by its first delta); usage as in ChatStream."""
 
     def __init__(self, tok: Tokenizer, sub: Submission, n: int, rid: str, model: str, fingerprint: str,
-                 include_usage: bool, continuous_usage: bool, echo_of: Optional[Callable[[int], str]]):
+                 include_usage: bool, continuous_usage: bool, echo_of: Optional[Callable[[int], str]],
+                 echo_logprobs: bool = False):
         self.tok, self.sub, self.n = tok, sub, n
         self.rid, self.model, self.fingerprint = rid, model, fingerprint
         self.created = int(time.time())
         self.include_usage, self.continuous = include_usage, continuous_usage
         self.echo_of = echo_of
+        self.echo_logprobs = echo_logprobs
         self.offsets = {st.index: 0 for st in sub.states}  # characters sent so far, per choice
+        self.echoed: set[int] = set()
 
     def _chunk(self, choices, usage=None) -> str:
         return sse(CompletionChunk(id=self.rid, created=self.created, model=self.model,
                                    system_fingerprint=self.fingerprint, choices=choices, usage=usage))
 
     def opening(self) -> Iterable[str]:
-        if self.echo_of is None:
-            return
-        for st in self.sub.states:
-            e = self.echo_of(st.index)
-            self.offsets[st.index] = len(e)
-            yield self._chunk([CompletionStreamChoice(index=st.index, text=e)])
+        return ()
+
+    def _echo(self, index: int):
+        """The echoed prompt text and its logprobs (None without them) of choice ``index``."""
+        self.echoed.add(index)
+        text = self.echo_of(index)
+        self.offsets[index] = len(text)
+        if not self.echo_logprobs:
+            return text, None
+        st = self.sub.states[index]
+        return text, echo_logprobs(self.tok, st.prompt_ids, st.prompt_logprobs or [], st.params.top_logprobs > 0)
 
     def delta(self, d: CompletionDelta) -> Optional[str]:
+        head, head_lps = ("", None) if self.echo_of is None or d.index in self.echoed else self._echo(d.index)
         lps, self.offsets[d.index] = completion_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs,
                                                          self.offsets[d.index])
         if lps is None:
             self.offsets[d.index] += len(d.text)
-        if not d.text and d.finish_reason is None and lps is None:
+        lps = joined(head_lps, lps)
+        text = head + d.text
+        if not text and d.finish_reason is None and lps is None:
             return None
-        c = CompletionStreamChoice(index=d.index, text=d.text, logprobs=lps, finish_reason=d.finish_reason,
+        c = CompletionStreamChoice(index=d.index, text=text, logprobs=lps, finish_reason=d.finish_reason,
                                    matched_stop=d.matched_stop)
         return self._chunk([c], usage_of(self.sub, self.n) if self.include_usage and self.continuous else None)
 
@@ -123,7 +135,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                                   logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs),
                                   finish_reason=o.finish_reason, matched_stop=o.matched_stop) for o in outs]
             return _json(ChatCompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
-                                                usage=usage_of(sub, params.n)))
+                                                usage=usage_of(sub, params.n),
+                                                prompt_logprobs=vllm_prompt_logprobs(tok, outs[0].prompt_logprobs)))
 
         return await answer(request, sub, bool(req.stream), full, lambda: ChatStream(
             tok, sub, params.n, rid, model, fp, req.include_usage, req.continuous_usage))
@@ -160,6 +173,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         n = params.n
         rid = f"cmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint
+        echo_lps = bool(req.echo) and params.logprobs  # the prompt's entries lead each choice's logprobs
 
         def echo_of(index: int) -> str:
             return echo_texts[index // n] if req.echo else ""
@@ -169,13 +183,20 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             for o in outs:
                 echo = echo_of(o.index)
                 lps, _ = completion_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs, len(echo))
-                choices.append(CompletionChoice(index=o.index, text=echo + o.text, logprobs=lps,
-                                                finish_reason=o.finish_reason, matched_stop=o.matched_stop))
+                if echo_lps:
+                    lps = joined(echo_logprobs(tok, o.prompt_token_ids, o.prompt_logprobs or [],
+                                               params.top_logprobs > 0), lps)
+                choices.append(CompletionChoice(
+                    index=o.index, text=echo + o.text, logprobs=lps, finish_reason=o.finish_reason,
+                    matched_stop=o.matched_stop,
+                    prompt_logprobs=vllm_prompt_logprobs(tok, o.prompt_logprobs) if req.prompt_logprobs is not None
+                    else None))
             return _json(CompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
                                             usage=usage_of(sub, n)))
 
         return await answer(request, sub, bool(req.stream), full, lambda: CompletionStream(
-            tok, sub, n, rid, model, fp, req.include_usage, req.continuous_usage, echo_of if req.echo else None))
+            tok, sub, n, rid, model, fp, req.include_usage, req.continuous_usage, echo_of if req.echo else None,
+            echo_lps))
 
     @app.get("/v1/models")
     async def models():
