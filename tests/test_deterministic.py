@@ -1,0 +1,279 @@
+"""Deterministic inference (``enable_deterministic_inference``): a position's logits are a function of
+the token ids before it and the weights only, bitwise, whatever shares the step.
+
+Kernels: ``bi_linear`` and ``chunk_attn`` (and their PyTorch twins without the C kernels) against a
+float64 reference, and a row's bits alone vs. inside any batch / split between calls. Engine: one greedy
+request with logprobs on a tiny random Llama in bfloat16 gives the same token ids and logprobs alone,
+again from the prefix cache, beside 15 requests of mixed lengths (some sharing its prefix, so shared
+segments form), as one of n=3, after eviction and retraction on a tiny pool, with chunked prefill of 64 /
+512 / off and page sizes 1 / 16, with and without the C kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from idleless.cache.kv_pool import KVPool
+from idleless.config import EngineConfig
+from idleless.engine.core import EngineCore
+from idleless.engine.request import Request, SamplingParams
+from idleless.model import cpu_kernels
+from idleless.model.attention import CompositeAttention
+from idleless.model.attention.composite import align_segments
+from idleless.model.attention.invariant import CHUNK, ChunkedAttention, TorchChunkedAttention
+from idleless.model.linear import InvariantLinearMethod, Linear, TiledLinearMethod
+
+from conftest import TEST_THREADS, make_tiny_model
+from kv_invariants import check_ownership
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernels(dtype):
+    k = cpu_kernels.load(dtype)
+    if k is None:
+        pytest.skip("no C compiler: the fused kernels are off")
+    return k
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------------------------
+def _linear(method, n, k, dtype, bias, seed=0):
+    lin = Linear(k, n, bias=bias, method=method)
+    g = _gen(seed)
+    lin.weight.data = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    if bias:
+        lin.bias.data = torch.randn(n, generator=g).to(dtype)
+    method.process_after_load(lin)
+    return lin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["kernel", "tiled"])
+@pytest.mark.parametrize("n,k,bias", [(576, 64, False), (37, 100, True), (200, 48, True)])
+def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype, kind, n, k, bias):
+    method = InvariantLinearMethod(_kernels(dtype)) if kind == "kernel" else TiledLinearMethod()
+    lin = _linear(method, n, k, dtype, bias)
+    x = torch.randn(300, k, generator=_gen(1)).to(dtype)
+    full = lin(x)
+    ref = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
+    assert (full.double() - ref).abs().max().item() < tol
+    for m in (1, 2, 3, 5, 7, 16, 17, 64, 65, 299):
+        part = lin(x[:m])
+        assert torch.equal(part, full[:m]), f"rows of a {m}-row batch differ from the 300-row batch"
+    perm = torch.randperm(300, generator=_gen(2))
+    assert torch.equal(lin(x[perm]), full[perm])  # other neighbours, other positions
+
+
+def test_invariant_linear_is_one_fma_chain_per_element():
+    """The kernel's contract, checked by hand: y = fma chain over k in order, rounded once."""
+    kern = _kernels(torch.float32)
+    lin = _linear(InvariantLinearMethod(kern), 20, 33, torch.float32, bias=True)
+    x = torch.randn(3, 33, generator=_gen(3))
+    y = lin(x)
+    w, b = lin.weight.double(), lin.bias.double()
+    import numpy as np
+    for r in range(3):
+        for c in range(20):
+            acc = np.float32(0)
+            for kk in range(33):  # fma: exact product and sum, rounded once, in float64 then to float32
+                acc = np.float32(np.float64(x[r, kk].item()) * w[c, kk].item() + np.float64(acc))
+            assert y[r, c].item() == np.float32(np.float64(acc) + b[c].item())
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+def _ref_attention(q, K, V, limits, scale):
+    """float64 softmax attention: row r sees K[:limits[r]]. q [R, H, D], K/V [L, Hkv, D]."""
+    H, Hkv = q.shape[1], K.shape[1]
+    K = K.double().repeat_interleave(H // Hkv, 1)
+    V = V.double().repeat_interleave(H // Hkv, 1)
+    s = torch.einsum("rhd,khd->rhk", q.double(), K) * scale
+    mask = torch.arange(K.shape[0])[None, :] < torch.as_tensor(limits)[:, None]
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("rhk,khd->rhd", s.softmax(-1), V)
+
+
+def _backend(kind, dtype, H, D):
+    return ChunkedAttention(_kernels(dtype), H, D) if kind == "kernel" else TorchChunkedAttention(H, D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["kernel", "torch"])
+def test_chunked_attention_matches_float64_and_splits_fold_alike(dtype, kind):
+    H, Hkv, D, S, L = 6, 2, 32, 600, 200
+    g = _gen(4)
+    kc, vc = torch.randn(S, Hkv, D, generator=g).to(dtype), torch.randn(S, Hkv, D, generator=g).to(dtype)
+    slots = torch.randperm(S, generator=g)[:L]
+    q = torch.randn(L, H, D, generator=g).to(dtype)
+    be = _backend(kind, dtype, H, D)
+    from idleless.model.attention.base import AttnWork, Tails
+    full = be.forward(q, kc, vc, 0, be.prepare(AttnWork(Tails([0], [L], [0], [slots]))), None, None)
+    ref = _ref_attention(q, kc[slots], vc[slots], torch.arange(1, L + 1), D ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (full.double() - ref).abs().max().item() < tol
+    # row 150 alone, as a decode row (149 earlier keys), equals its row of the causal prefill
+    one = be.forward(q[150:151], kc, vc, 0, be.prepare(AttnWork(Tails([0], [1], [150], [slots[:151]]))), None, None)
+    assert torch.equal(one[0], full[150])
+    # the same row with its first 128 keys as a shared segment (rows 0 and 1 of a 2-row batch)
+    qq = torch.stack([q[150], q[150]])
+    work = AttnWork(Tails([0, 1], [1, 1], [22, 22], [slots[128:151], slots[128:151]]),
+                    [(torch.tensor([0, 1]), slots[:128])])
+    two = be.forward(qq, kc, vc, 0, be.prepare(work), None, None)
+    assert torch.equal(two[0], full[150]) and torch.equal(two[1], full[150])
+
+
+def test_align_segments_keeps_each_request_tiled():
+    segs = [([0, 1, 2], 0, 150), ([0, 1], 150, 260)]
+    shared = [260, 260, 150, 0]
+    out, sh = align_segments(segs, shared, 64)
+    assert out == [([0, 1, 2], 0, 128), ([0, 1], 128, 256)]
+    assert sh == [256, 256, 128, 0]
+    assert align_segments([([0, 1], 0, 40)], [40, 40], 64) == ([], [0, 0])
+
+
+@pytest.mark.parametrize("kind", ["kernel", "torch"])
+def test_composite_rows_are_batch_invariant_with_shared_segments(kind):
+    """A request's attention output through the deterministic composite: alone == beside requests
+    that share 150 of its prefix (a segment forms, aligned to 128) and beside unrelated ones."""
+    dtype, H, Hkv, D = torch.bfloat16, 4, 2, 16
+    pool = KVPool(1, Hkv, D, 2048, dtype, "cpu", 1)
+    kern = _kernels(dtype) if kind == "kernel" else None
+    comp = CompositeAttention(pool, H, Hkv, D, None, kern, deterministic=True)
+    g = _gen(5)
+    pool.k_cache[0].copy_(torch.randn(2048, Hkv, D, generator=g).to(dtype))
+    pool.v_cache[0].copy_(torch.randn(2048, Hkv, D, generator=g).to(dtype))
+    own = torch.arange(0, 200)  # the request: 199 cached tokens + 1 new
+    q_own = torch.randn(1, H, D, generator=g).to(dtype)
+
+    def run(reqs):  # reqs: (slot_table, prefix_len, q rows)
+        meta = comp.prepare([t.numel() - p for t, p, _ in reqs], [p for _, p, _ in reqs], [t for t, _, _ in reqs])
+        q = torch.cat([x for _, _, x in reqs])
+        loc = torch.cat([t[p:] for t, p, _ in reqs])
+        kv_k, kv_v = pool.k_cache[0][loc].clone(), pool.v_cache[0][loc].clone()  # rewrite what is there
+        return comp.forward(q, kv_k, kv_v, 0, meta, loc), meta
+
+    alone, _ = run([(own, 199, q_own)])
+    sharer = torch.cat([own[:150], torch.arange(1000, 1030)])
+    other = torch.arange(1500, 1570)
+    batch, meta = run([(sharer, 179, torch.randn(1, H, D, generator=g).to(dtype)), (own, 199, q_own),
+                       (other, 60, torch.randn(10, H, D, generator=g).to(dtype))])
+    assert any(p.segments for _, p in meta.parts), "a shared segment should form"
+    assert torch.equal(batch[1], alone[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine: one request's tokens and logprobs under every batch, cache and chunking condition
+# ---------------------------------------------------------------------------------------------
+VOCAB = 256
+TINY_BYTES = KVPool.bytes_per_token(2, 2, 16, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def det_model(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("det"), max_position_embeddings=1024)
+
+
+def _ids(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=_gen(seed)).tolist()
+
+
+PROMPT = _ids(150, 7)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, logprobs=True)
+
+
+def _core(model, kernels: bool, slots: int = 4096, **kw) -> EngineCore:
+    cfg = dict(model=model, dtype="bfloat16", kv_cache_memory=str(slots * TINY_BYTES), num_threads=TEST_THREADS,
+               enable_deterministic_inference=True, disable_cpu_kernels=not kernels)
+    cfg.update(kw)
+    return EngineCore(EngineConfig(**cfg))
+
+
+def _drive(core: EngineCore, reqs: list[Request]) -> dict[str, tuple[list[int], list[float]]]:
+    for r in reqs:
+        core.add_request(r)
+    out: dict[str, tuple[list[int], list[float]]] = {r.rid: ([], []) for r in reqs}
+    steps = 0
+    while core.has_work():
+        steps += 1
+        assert steps < 5000
+        for o in core.step():
+            out[o.rid][0].extend(o.new_token_ids)
+            out[o.rid][1].extend(o.new_logprobs or [])
+        check_ownership(core.scheduler)
+    return out
+
+
+def _others(n=15, seed=100):
+    """Mixed traffic: some share 130 or 70 of PROMPT's tokens (shared segments), some unrelated;
+    lengths 5 .. 300."""
+    reqs = []
+    for i in range(n):
+        if i % 3 == 0:
+            ids = PROMPT[:130] + _ids(5 + 7 * i, seed + i)
+        elif i % 3 == 1:
+            ids = PROMPT[:70] + _ids(20 * i, seed + i)
+        else:
+            ids = _ids(5 + 20 * i, seed + i)
+        reqs.append(Request(f"o{i}", ids, SamplingParams(temperature=0.8, seed=i, max_new_tokens=5 + i)))
+    return reqs
+
+
+@pytest.fixture(scope="module", params=["kernel", "torch"])
+def reference(request, det_model):
+    """(kernels?, PROMPT's greedy ids and logprobs alone on a fresh engine)."""
+    kernels = request.param == "kernel"
+    if kernels and cpu_kernels.load(torch.bfloat16) is None:
+        pytest.skip("no C compiler: the fused kernels are off")
+    core = _core(det_model, kernels)
+    ref = _drive(core, [Request("p", PROMPT, GREEDY)])["p"]
+    assert len(ref[0]) == 24 and len(ref[1]) == 24
+    return kernels, ref
+
+
+def test_alone_again_from_the_prefix_cache_and_beside_others(det_model, reference):
+    kernels, ref = reference
+    core = _core(det_model, kernels)
+    assert _drive(core, [Request("p", PROMPT, GREEDY)])["p"] == ref
+    assert _drive(core, [Request("p2", PROMPT, GREEDY)])["p2"] == ref  # its whole prompt is cached now
+    others = _others()
+    out = _drive(core, others[:7] + [Request("p3", PROMPT, GREEDY)] + others[7:])
+    assert out["p3"] == ref
+    core.flush_cache()
+    out = _drive(core, _others(seed=300)[:4] + [Request("p4", PROMPT + ref[0][:5], GREEDY)])
+    # the same request continued: its first 5 generated tokens fed back are a prompt; the next ones agree
+    assert out["p4"][0][:19] == ref[0][5:]
+    assert out["p4"][1][:19] == ref[1][5:]
+
+
+def test_n3_copies_each_give_the_solo_answer(det_model, reference):
+    kernels, ref = reference
+    core = _core(det_model, kernels)
+    out = _drive(core, [Request(f"c{i}", PROMPT, GREEDY) for i in range(3)])
+    assert all(v == ref for v in out.values())
+
+
+@pytest.mark.parametrize("chunk,page", [(64, 1), (512, 16), (0, 1), (64, 16)])
+def test_chunked_prefill_and_page_size_change_nothing(det_model, reference, chunk, page):
+    kernels, ref = reference
+    core = _core(det_model, kernels, chunked_prefill_size=chunk, page_size=page)
+    out = _drive(core, _others()[:5] + [Request("p", PROMPT, GREEDY)])
+    assert out["p"] == ref
+
+
+def test_eviction_and_retraction_on_a_tiny_pool_change_nothing(det_model, reference):
+    kernels, ref = reference
+    core = _core(det_model, kernels, slots=700)
+    out = _drive(core, [Request("p", PROMPT, GREEDY)] + _others(seed=500))
+    assert out["p"] == ref
+    out = _drive(core, _others(seed=700) + [Request("p2", PROMPT, GREEDY)])
+    assert out["p2"] == ref
+    assert core.scheduler.stats.num_retractions > 0, "the pool should have been too small for the batch"
