@@ -6,6 +6,9 @@
     print(out.text)
 
 ``generate`` takes text prompts, token-id lists or chat message lists, one or many, and blocks.
+With ``SamplingParams(prompt_logprobs=k)`` each ``CompletionOutput.prompt_logprobs`` is vLLM's list:
+None for the first prompt token, then an ``idleless.engine.request.PromptLogprob`` (token_id,
+logprob, rank, top k) per prompt token; ``max_new_tokens=0`` scores a text without generating.
 ``generate_stream`` is an async generator of ``CompletionDelta`` for one prompt. Both may be used
 at once: whichever thread steps the engine dispatches outputs to their owners.
 """
