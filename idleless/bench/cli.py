@@ -1,6 +1,7 @@
 """``idleless bench <subcommand>``: benchmarks.
 
     idleless bench offline --workload ../shared/workloads/shared_prefix.json [--compare] [--decode-batch1]
+    idleless bench determinism --dtype bfloat16 --enable-deterministic-inference [--url http://host:port]
 
 Subcommands register here: each module has ``add_args(parser)`` and ``main(args) -> int``.
 """
@@ -14,7 +15,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Add the bench subcommands to the ``idleless bench`` parser."""
     from idleless.bench import offline
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{offline,serving,compare,plot,policies,chunked-prefill,eviction}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{offline,serving,compare,plot,determinism,policies,chunked-prefill,eviction}", required=True)
     o = sub.add_parser("offline", help="offline throughput on a workload file (Engine in-process)",
                        description=offline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     offline.add_args(o)
@@ -22,9 +23,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from idleless.bench import scheduling  # issue 4: policies, chunked-prefill, eviction
     scheduling.register(sub)
     from idleless.bench import compare, plot, serving  # issue 5: serving client, baselines side by side, plots
+    from idleless.bench import determinism  # issue 11: one prompt under 16 batch compositions
     for name, mod, helptext in (("serving", serving, "load an OpenAI-compatible server over HTTP (TTFT, TPOT, ITL, goodput, busy fraction)"),
                                 ("compare", compare, "one workload through Idleless, radix off, transformers, llama.cpp, vLLM"),
-                                ("plot", plot, "PNG of a run from an engine trace file and/or a serving result")):
+                                ("plot", plot, "PNG of a run from an engine trace file and/or a serving result"),
+                                ("determinism", determinism, "distinct outputs of one greedy prompt under 16 batch compositions (target 1)")):
         p = sub.add_parser(name, help=helptext, description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_args(p)
         p.set_defaults(bench_main=mod.main)
