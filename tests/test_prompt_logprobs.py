@@ -6,9 +6,9 @@ prompt_logprobs_start=s)`` through plan -> execute -> commit.
   hit, retraction (mid-prefill included) and batch, and the cache hit a request attaches stops before
   its first row still needed.
 * The values, on a tiny random Llama: transformers' float64 log-softmax of the same sequence
-  (allclose, tolerance stated); the logprob the engine reports when it generates a token greedily
-  equals the prompt logprob of that token after the same prefix, bitwise, in the deterministic mode;
-  cache hits and chunked prefill change nothing.
+  (allclose, tolerance stated); in the deterministic mode the logprob the engine reports when it
+  generates a token greedily equals, bitwise, the prompt logprob of that token after the same prefix
+  (float32 and bfloat16), and cache hits and chunked prefill change no bit.
 * The offline Engine's ``CompletionOutput.prompt_logprobs`` (vLLM's list: first entry None) and bad
   values refused before anything runs.
 """
@@ -27,11 +27,6 @@ from idleless.engine.request import PromptLogprob, Request, RequestError, Sampli
 from kv_invariants import check_ownership
 from test_step_plan import ScriptedRunner, expected
 
-# The batch-, chunk- and cache-invariant numerics (issue 11, part 1) are what make a logits row the
-# same bits in a prefill of any length and in a decode; with them the comparisons below are exact.
-# Without them (a build before that mode existed) the same comparisons hold to float32 rounding.
-DETERMINISTIC = "enable_deterministic_inference" in EngineConfig.__dataclass_fields__
-FP32_RTOL = 1e-5  # float32 reassociation between two valid reduction orders, tiny model
 
 
 # ============================================================================ scripted model
@@ -195,33 +190,17 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def tiny_core(path: str, **kw) -> EngineCore:
-    cfg = dict(model=path, dtype="float32", kv_cache_memory="4MiB", num_threads=TEST_THREADS)
-    if DETERMINISTIC:
-        cfg["enable_deterministic_inference"] = True
+    """An engine in the deterministic mode (batch-, chunk- and cache-invariant kernels, issue 11 part
+    1): a logits row is the same bits in a prefill of any length and in a decode, so the comparisons
+    below are exact."""
+    cfg = dict(model=path, dtype="float32", kv_cache_memory="4MiB", num_threads=TEST_THREADS,
+               enable_deterministic_inference=True)
     cfg.update(kw)
     return EngineCore(EngineConfig(**cfg))
 
 
 def rand_ids(seed: int, n: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def assert_same_values(a: list, b: list, what: str) -> None:
-    """Equal PromptLogprob lists (or floats): bitwise in the deterministic mode, else token ids,
-    ranks and top ids equal and values within FP32_RTOL."""
-    if DETERMINISTIC:
-        assert a == b, what
-        return
-    assert len(a) == len(b), what
-    for x, y in zip(a, b):
-        if x is None or y is None:
-            assert x is y, what
-        elif isinstance(x, float):
-            assert x == pytest.approx(y, rel=FP32_RTOL, abs=FP32_RTOL), what
-        else:
-            assert (x.token_id, x.rank, [t for t, _ in x.top]) == (y.token_id, y.rank, [t for t, _ in y.top]), what
-            assert x.logprob == pytest.approx(y.logprob, rel=FP32_RTOL, abs=FP32_RTOL), what
-            assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], rel=FP32_RTOL, abs=FP32_RTOL), what
 
 
 def test_prompt_logprobs_equal_transformers_float64(tiny_dir):
@@ -254,11 +233,14 @@ def test_prompt_logprobs_equal_transformers_float64(tiny_dir):
                 assert max(abs(a - b) for (_, a), b in zip(e.top, top.values.tolist())) < 1e-5
 
 
-def test_prompt_logprobs_equal_the_generated_tokens_logprobs(tiny_dir):
+@pytest.mark.parametrize("dtype,eager", [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+                         ids=["float32", "bfloat16", "bfloat16-eager"])
+def test_prompt_logprobs_equal_the_generated_tokens_logprobs(tiny_dir, dtype, eager):
     """Generate greedily with logprobs, then score prompt + continuation: the prompt logprob of each
-    generated token equals the logprob the engine reported when it generated it (bitwise in the
-    deterministic mode: the logits row of a position does not depend on how it was computed)."""
-    core = tiny_core(tiny_dir)
+    generated token equals, bitwise, the logprob the engine reported when it generated it (the
+    deterministic mode: a position's logits row does not depend on how it was computed), in float32
+    and bfloat16, with the C kernels and without."""
+    core = tiny_core(tiny_dir, dtype=dtype, disable_cpu_kernels=eager)
     prompt = rand_ids(7, 29)
     gen = drive(core, [Request("gen", prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True,
                                                               logprobs=True))])["gen"]
@@ -270,7 +252,7 @@ def test_prompt_logprobs_equal_the_generated_tokens_logprobs(tiny_dir):
         entries = scored["plp"][-len(gen["ids"]):]
         assert [e.token_id for e in entries] == gen["ids"]
         assert all(e.rank == 1 for e in entries)  # greedy tokens are the most likely
-        assert_same_values([e.logprob for e in entries], gen["lps"], f"start {start}")
+        assert [e.logprob for e in entries] == gen["lps"], f"start {start}"
 
 
 def test_cache_hits_and_chunked_prefill_change_nothing(tiny_dir):
@@ -295,7 +277,7 @@ def test_cache_hits_and_chunked_prefill_change_nothing(tiny_dir):
     for s in ref:
         for name, other in (("again", again), ("after", after), ("chunked", chunked)):
             assert other[s]["ids"] == ref[s]["ids"], (name, s)
-            assert_same_values(other[s]["plp"], ref[s]["plp"], f"{name} start {s}")
+            assert other[s]["plp"] == ref[s]["plp"], f"{name} start {s}"
     kv = core.scheduler.kv_usage()
     assert kv["in_use"] == 0 and kv["free"] + kv["cached"] == kv["total"]
 
