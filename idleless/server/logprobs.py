@@ -76,7 +76,8 @@ def joined(head: Optional[CompletionLogprobs], tail: Optional[CompletionLogprobs
     """``head``'s entries followed by ``tail``'s (either may be None)."""
     if head is None or tail is None:
         return head or tail
-    return CompletionLogprobs(tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
+    return CompletionLogprobs(tokens=head.tokens + tail.tokens,
+                              token_logprobs=head.token_logprobs + tail.token_logprobs,
                               top_logprobs=head.top_logprobs + tail.top_logprobs,
                               text_offset=head.text_offset + tail.text_offset)
 
