@@ -311,7 +311,10 @@ class HttpTarget:
     ``/v1/completions`` with token-id prompts."""
 
     def __init__(self, url: str, model: Optional[str], api_key: Optional[str], timeout: float):
+        import logging
+
         self.url = url.rstrip("/")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.model = model or self._sync(self._detect_model())
