@@ -246,9 +246,11 @@ class OfflineTarget:
         self.flush_available = True
 
     def tokenize(self, prompt: str, chat: bool) -> list[int]:
+        """The probe's ids: ``prompt`` as one user message in the chat template (or plain text)."""
         return self.engine.encode_prompt(prompt, chat=chat)
 
     def tokenize_text(self, text: str) -> list[int]:
+        """Plain text -> ids with the engine's tokenizer (the filler)."""
         return self.engine.tokenizer.encode(text)
 
     def _params(self, e: Entry):
@@ -350,11 +352,13 @@ class HttpTarget:
         return self._sync(go())
 
     def tokenize(self, prompt: str, chat: bool) -> list[int]:
+        """The probe's ids from the server's ``/tokenize`` (chat ``messages`` with the generation prompt)."""
         if chat:
             return self._tokenize({"messages": [{"role": "user", "content": prompt}], "add_generation_prompt": True})
         return self._tokenize({"prompt": prompt})
 
     def tokenize_text(self, text: str) -> list[int]:
+        """Plain text -> ids from the server's ``/tokenize``, without special tokens (the filler)."""
         return self._tokenize({"prompt": text, "add_special_tokens": False})
 
     def _body(self, e: Entry, stream: bool = False) -> dict:
