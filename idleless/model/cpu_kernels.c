@@ -360,6 +360,7 @@ DEFINE_KERNELS(bf16, uint16_t)
 #define BI_ROWS 64     /* rows per thread task of bi_linear (with one panel group) */
 #define BI_CHUNK 64    /* keys per softmax chunk of chunk_attn */
 #define BI_ATT_ROWS 16 /* query rows per thread task of chunk_attn (they share each gathered chunk) */
+#define BI_MAX_D 256   /* largest head dimension chunk_attn takes */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -521,18 +522,20 @@ int bi_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const T *wp, 
  * absolute position that is a multiple of BI_CHUNK; query rows rows[row_off[i]:row_off[i+1]] of q             \
  * ([*, nh, d], rows q_stride apart); row entry j sees the first limits[j] keys (limits NULL: all).            \
  * Per (row, head): keys in chunks of BI_CHUNK from the item's first key; per chunk the scaled scores          \
- * (q.k summed in 16 float32 lanes, then the lanes in order), their max mc, p = exp(s - mc), lc = sum p        \
- * and ac = sum p v in key order; folded into the state (m, l, acc) in chunk order: m' = max(m, mc),           \
+ * (q.k as one fmaf chain over the head dimension), their max mc, p = exp(s - mc), lc = sum p (16              \
+ * lanes, then the lanes in order) and ac = sum p v (fmaf chains in key order); folded into the state (m, l, acc) in chunk order: m' = max(m, mc), \
  * l' = l e^(m - m') + lc e^(mc - m'), acc' likewise (FlashAttention's rescaling, Dao et al. 2022).            \
  * The state of row r, head h starts from st_m[r, h], st_l[r, h], st_acc[r, h, :] when st_m is not             \
  * NULL (else -inf, 0, 0); store != 0 writes it back there (a shared segment, continued by a later             \
  * call), store == 0 writes out[r, h, :] = T(acc / l) (0 for a row that saw no key). Rows must be              \
- * distinct across a call's items. Returns 0 if buffers cannot be allocated, else 1. */                        \
+ * distinct across a call's items; d <= BI_MAX_D. Returns 0 if buffers cannot be allocated or d is too         \
+ * large, else 1. */                                                                                           \
 int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_items,        \
                      const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
                      float *st_l, float *st_acc, int store, T *out) {                                          \
     int64_t grp = nh / nkv, ntasks = 0;                                                                        \
+    if (d > BI_MAX_D) return 0;                                                                                \
     int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_items + 1));                            \
     if (!task_off) return 0;                                                                                   \
     task_off[0] = 0;                                                                                           \
@@ -543,16 +546,16 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
     }                                                                                                          \
     int64_t work = 0;                                                                                          \
     for (int64_t i = 0; i < n_items; i++) work += (row_off[i + 1] - row_off[i]) * (key_off[i + 1] - key_off[i]); \
-    size_t per_thread = (size_t)(2 * BI_CHUNK * d + BI_CHUNK + 3 * BI_ATT_ROWS * grp * d + 2 * BI_ATT_ROWS * grp + d); \
+    size_t per_thread = (size_t)(2 * BI_CHUNK * d + 2 * BI_ATT_ROWS * grp * d + 2 * BI_ATT_ROWS * grp);        \
     int nt = MAX_THREADS();                                                                                    \
     float *buf_all = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);                                 \
     if (!buf_all) { free(task_off); return 0; }                                                                \
     int ok = 1;                                                                                                \
     _Pragma("omp parallel if (work * nh * d >= PAR_MIN_WORK)")                                                 \
     {                                                                                                          \
-    float *kf = buf_all + per_thread * (size_t)THREAD_ID(), *vf = kf + BI_CHUNK * d, *s = vf + BI_CHUNK * d;   \
-    float *qf = s + BI_CHUNK, *acc = qf + BI_ATT_ROWS * grp * d, *ac = acc + BI_ATT_ROWS * grp * d;            \
-    float *mx = ac + BI_ATT_ROWS * grp * d, *sm = mx + BI_ATT_ROWS * grp;                                      \
+    float *kf = buf_all + per_thread * (size_t)THREAD_ID(), *vf = kf + BI_CHUNK * d;                           \
+    float *qf = vf + BI_CHUNK * d, *acc = qf + BI_ATT_ROWS * grp * d;                                          \
+    float *mx = acc + BI_ATT_ROWS * grp * d, *sm = mx + BI_ATT_ROWS * grp;                                     \
     _Pragma("omp for schedule(dynamic, 1)")                                                                    \
     for (int64_t t = 0; t < ntasks; t++) {                                                                     \
         int64_t it = 0;                                                                                        \
@@ -575,9 +578,11 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
         }                                                                                                      \
         for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {                                                    \
             int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                      \
-            for (int64_t j = c0; j < c1; j++) {                                                                \
+            if (c1 - c0 < BI_CHUNK) /* a short last chunk: scores past it are computed and ignored */          \
+                for (int64_t i = 0; i < d; i++) for (int64_t j = c1 - c0; j < BI_CHUNK; j++) kf[i * BI_CHUNK + j] = 0.f; \
+            for (int64_t j = c0; j < c1; j++) { /* K transposed ([d][BI_CHUNK]), V as rows */                  \
                 const T *kr = k_cache + (sl[j] * nkv + kh) * d, *vr = v_cache + (sl[j] * nkv + kh) * d;        \
-                for (int64_t i = 0; i < d; i++) { kf[(j - c0) * d + i] = LD_##SUF(kr + i); vf[(j - c0) * d + i] = LD_##SUF(vr + i); } \
+                for (int64_t i = 0; i < d; i++) { kf[i * BI_CHUNK + j - c0] = LD_##SUF(kr + i); vf[(j - c0) * d + i] = LD_##SUF(vr + i); } \
             }                                                                                                  \
             for (int64_t e = e0; e < e1; e++) {                                                                \
                 int64_t lim = limits ? limits[e] : nkeys;                                                      \
@@ -586,24 +591,39 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                 for (int64_t g = 0; g < grp; g++) {                                                            \
                     int64_t si = (e - e0) * grp + g;                                                           \
                     const float *qr = qf + si * d;                                                             \
+                    /* local arrays: the compiler sees they alias nothing and vectorizes (keys side            \
+                     * by side for the scores, the head dimension for p v) */                                  \
+                    float sc[BI_CHUNK], acl[BI_MAX_D];                                                         \
                     float mc = -INFINITY;                                                                      \
-                    for (int64_t j = 0; j < nn; j++) {                                                         \
-                        float p[16] = {0};                                                                     \
-                        int64_t i = 0;                                                                         \
-                        for (; i + 16 <= d; i += 16)                                                           \
-                            for (int l = 0; l < 16; l++) p[l] += qr[i + l] * kf[j * d + i + l];                \
-                        for (; i < d; i++) p[0] += qr[i] * kf[j * d + i];                                      \
-                        float sc = 0.f;                                                                        \
-                        for (int l = 0; l < 16; l++) sc += p[l];                                               \
-                        sc *= scale;                                                                           \
-                        s[j] = sc;                                                                             \
-                        mc = sc > mc ? sc : mc;                                                                \
+                    for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = 0.f;                                        \
+                    for (int64_t i = 0; i < d; i++) { /* each score: one fmaf chain over i */                  \
+                        float qi = qr[i];                                                                      \
+                        const float *kt = kf + i * BI_CHUNK;                                                   \
+                        for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = __builtin_fmaf(qi, kt[j], sc[j]);       \
                     }                                                                                          \
+                    /* max in 16 lanes (exact in any order), sum in 16 lanes then the lanes in order;          \
+                     * keys past nn get score -inf, hence p = 0, which adds nothing */                         \
+                    float m16[16], l16[16];                                                                    \
+                    for (int l = 0; l < 16; l++) { m16[l] = -INFINITY; l16[l] = 0.f; }                         \
+                    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 16)                                              \
+                        for (int l = 0; l < 16; l++) {                                                         \
+                            float v = j0 + l < nn ? sc[j0 + l] * scale : -INFINITY;                            \
+                            sc[j0 + l] = v;                                                                    \
+                            m16[l] = v > m16[l] ? v : m16[l];                                                  \
+                        }                                                                                      \
+                    for (int l = 0; l < 16; l++) mc = m16[l] > mc ? m16[l] : mc;                               \
+                    for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = fast_expf(sc[j] - mc);                      \
+                    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 16)                                              \
+                        for (int l = 0; l < 16; l++) l16[l] += sc[j0 + l];                                     \
                     float lc = 0.f;                                                                            \
-                    for (int64_t j = 0; j < nn; j++) { s[j] = fast_expf(s[j] - mc); lc += s[j]; }              \
-                    for (int64_t i = 0; i < d; i++) ac[i] = 0.f;                                               \
-                    for (int64_t j = 0; j < nn; j++)                                                           \
-                        for (int64_t i = 0; i < d; i++) ac[i] += s[j] * vf[j * d + i];                         \
+                    for (int l = 0; l < 16; l++) lc += l16[l];                                                 \
+                    for (int64_t i = 0; i < d; i++) acl[i] = 0.f;                                              \
+                    for (int64_t j = 0; j < nn; j++) {                                                         \
+                        float pj = sc[j];                                                                      \
+                        const float *vr = vf + j * d;                                                          \
+                        for (int64_t i = 0; i < d; i++) acl[i] = __builtin_fmaf(pj, vr[i], acl[i]);            \
+                    }                                                                                          \
+                    const float *ac = acl;                                                                     \
                     float mo = mx[si], mn = mo > mc ? mo : mc;                                                 \
                     float a = fast_expf(mo - mn), b = fast_expf(mc - mn);                                      \
                     sm[si] = sm[si] * a + lc * b;                                                              \
