@@ -75,7 +75,7 @@ def test_weight_update_by_name_equals_a_fresh_load(tmp_path, monkeypatch, reques
     (float32, cast on the way in) go in by name; A's logits are then B's (loaded with W2) bitwise. A stale
     packed copy (oneDNN, AMX, or a tied lm_head packed from the old embedding) would give W1's products."""
     if "copy-method" in request.node.callspec.id:
-        monkeypatch.setattr(runner_module, "select_linear_method", lambda *args: CopyLinearMethod())
+        monkeypatch.setattr(runner_module, "select_linear_method", lambda *args, **kw: CopyLinearMethod())
     w1 = make_tiny_model(tmp_path, arch=arch, tie=tie, seed=0)
     w2 = make_tiny_model(tmp_path, arch=arch, tie=tie, seed=1)
     a, b = _runner(w1, dtype, eager), _runner(w2, dtype, eager)
