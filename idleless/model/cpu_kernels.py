@@ -181,6 +181,13 @@ class CpuKernels:
             if t.dtype != self.dtype or t.device.type != "cpu":
                 raise ValueError(f"expected a CPU {self.dtype} tensor, got {t.dtype} on {t.device}")
 
+    def _check_bias(self, bias: Optional[torch.Tensor], n: int, kernel: str) -> None:
+        """A linear kernel's bias: None or a contiguous [n] of the kernels' dtype, else ValueError."""
+        if bias is not None:
+            self._check(bias)
+            if bias.numel() != n or not bias.is_contiguous():
+                raise ValueError(f"{kernel}: bias must be contiguous [N]")
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """RMSNorm of x [n, h] (rows may be strided, elements contiguous) with weight [h] ->
@@ -343,10 +350,7 @@ class CpuKernels:
         if (not 1 <= m <= self.AMX_LINEAR_MAX_ROWS or x.stride(1) != 1 or packed.numel() != n * k
                 or packed.dtype != torch.int16 or not packed.is_contiguous()):
             raise ValueError("amx_linear: layout mismatch")
-        if bias is not None:
-            self._check(bias)
-            if bias.numel() != n or not bias.is_contiguous():
-                raise ValueError("amx_linear: bias must be contiguous [N]")
+        self._check_bias(bias, n, "amx_linear")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if not self._amx_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise ValueError("amx_linear: not supported for this shape")
@@ -380,10 +384,7 @@ class CpuKernels:
         if x.stride(1) != 1 or packed.shape != ((n + self.BI_PANEL - 1) // self.BI_PANEL, k, self.BI_PANEL) \
                 or packed.dtype != self.dtype or not packed.is_contiguous():
             raise ValueError("bi_linear: layout mismatch")
-        if bias is not None:
-            self._check(bias)
-            if bias.numel() != n or not bias.is_contiguous():
-                raise ValueError("bi_linear: bias must be contiguous [N]")
+        self._check_bias(bias, n, "bi_linear")
         out = torch.empty(m, n, dtype=self.dtype)
         if m and not self._bi_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
                                      out.data_ptr(), n):
