@@ -400,7 +400,7 @@ class CpuKernels:
         Item i: keys slots[key_offsets[i]:key_offsets[i+1]] of k_cache / v_cache [num_slots, Hkv, D],
         the first at an absolute position that is a multiple of BI_CHUNK; query rows
         rows[row_offsets[i]:row_offsets[i+1]] of q [T, H, D] (heads contiguous, rows may be strided);
-        row entry j sees the first limits[j] keys (limits None: all). state: (m [*, H], l [*, H],
+        row entry j sees the first limits[j] keys (limits None: all); D <= 256. state: (m [*, H], l [*, H],
         acc [*, H, D]) float32, contiguous: each row's running softmax state is read from it (else it
         starts empty); store True writes it back there instead of writing out [*, H, D] (the kernels'
         dtype) = acc / l. Rows must be distinct across items. Index tensors int64, contiguous.
@@ -410,7 +410,7 @@ class CpuKernels:
         Hkv = k_cache.shape[1]
         n = key_offsets.numel() - 1
         if (q.stride(2) != 1 or q.stride(1) != D or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-                or v_cache.shape != k_cache.shape or k_cache.shape[2] != D or H % Hkv or n < 0
+                or v_cache.shape != k_cache.shape or k_cache.shape[2] != D or H % Hkv or n < 0 or D > 256
                 or row_offsets.numel() != n + 1 or (limits is not None and limits.numel() != rows.numel())
                 or (store and state is None) or (not store and (out is None or out.dtype != self.dtype
                                                                  or out.shape[1:] != (H, D) or not out.is_contiguous()))):
