@@ -15,6 +15,7 @@ from typing import Optional, get_type_hints
 
 
 MAX_RAM_FRACTION = 0.9
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 
 def parse_memory(value: str | float | int) -> float:
@@ -85,6 +86,14 @@ class EngineConfig:
     trace_file: Optional[str] = None
     log_level: str = "info"
     served_model_name: Optional[str] = None
+    # speculative decoding (idleless.spec); SGLang's flag names
+    speculative_algorithm: Optional[str] = None  # ngram | draft (SGLang's NGRAM / STANDALONE); None: off
+    speculative_num_draft_tokens: int = 6  # most draft tokens per request per step
+    speculative_draft_model_path: Optional[str] = None  # the draft model of `draft` (same tokenizer)
+    speculative_draft_kv_cache_memory: str = "512MiB"  # the draft model's own KV pool
+    speculative_ngram_min_match_window_size: int = 1  # ngram: shortest suffix matched, tokens
+    speculative_ngram_max_match_window_size: int = 12  # ngram: longest suffix matched, tokens
+    speculative_disable_adaptive: bool = False  # fixed draft length, never switched off by the cost model
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -97,6 +106,26 @@ class EngineConfig:
             raise ValueError(f"radix_eviction_policy must be lru or gdsf, got {self.radix_eviction_policy!r}")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        algo = {"standalone": "draft", "suffix": "ngram"}.get(algo.lower(), algo.lower())
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
+                             f"(or SGLang's NGRAM / STANDALONE), got {self.speculative_algorithm!r}")
+        self.speculative_algorithm = algo
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be >= 1")
+        if algo == "draft" and not self.speculative_draft_model_path:
+            raise ValueError("speculative_algorithm 'draft' needs speculative_draft_model_path (a smaller model "
+                             "with the same tokenizer)")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError("the ngram match window must satisfy 1 <= min <= max, "
+                             f"got min {lo}, max {hi}")
 
     def kv_cache_bytes(self) -> float:
         return parse_memory(self.kv_cache_memory)

@@ -1,2 +1,35 @@
 """idleless.spec: speculative decoding. Proposers attach to the scheduler (``Proposer``); the verify
-step is an ordinary extend and acceptance happens in ``Scheduler.commit``."""
+step is an ordinary extend and acceptance happens in ``Scheduler.commit``.
+
+``make_proposer(config, runner)`` builds what ``--speculative-algorithm`` names: ``ngram``
+(``ngram.NgramProposer``: prompt lookup + a suffix index over recent outputs) or ``draft``
+(``draft.DraftModelProposer``: a smaller model with its own KV pool and radix cache), wrapped in
+``adaptive.AdaptiveProposer`` (per-request draft length from an acceptance EMA, and speculation
+switched off for a step when a measured cost model says plain decoding is faster)."""
+
+from __future__ import annotations
+
+from idleless.spec.proposer import Proposer
+
+
+def make_proposer(config, runner) -> Proposer:
+    """The proposer ``config.speculative_algorithm`` names (the base ``Proposer`` when None).
+    ``runner``: the target's ModelRunner (``model_config``, ``context_length``, ``dtype``). Raises
+    ValueError for a bad configuration (a draft model with another vocabulary, a draft longer than
+    the context)."""
+    algo = config.speculative_algorithm
+    if algo is None:
+        return Proposer()
+    if config.speculative_num_draft_tokens >= runner.context_length:
+        raise ValueError(f"speculative_num_draft_tokens ({config.speculative_num_draft_tokens}) must be below "
+                         f"the context length ({runner.context_length})")
+    if algo == "ngram":
+        from idleless.spec.ngram import NgramProposer
+        inner = NgramProposer(config.speculative_ngram_min_match_window_size,
+                              config.speculative_ngram_max_match_window_size)
+    else:
+        from idleless.spec.draft import DraftModelProposer
+        inner = DraftModelProposer(config, runner)
+    from idleless.spec.adaptive import AdaptiveProposer
+    return AdaptiveProposer(inner, config.speculative_num_draft_tokens,
+                            adaptive=not config.speculative_disable_adaptive)
