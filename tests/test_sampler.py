@@ -494,3 +494,40 @@ def test_sampler_does_not_import_the_engine():
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert names and not [m for m in names if m.startswith("idleless.engine")], names
+
+
+def test_keyed_uniform_is_a_pure_function_spread_evenly():
+    from idleless.model.sampler import keyed_uniform
+    assert keyed_uniform(7, 3) == keyed_uniform(7, 3)
+    vals = [keyed_uniform(s, p) for s in (0, 1, 2**63 - 1, -5) for p in range(2500)]
+    assert all(0.0 <= v < 1.0 for v in vals)
+    assert len(set(vals)) == len(vals)
+    # chi-square over 20 equal bins, 10,000 values (a pure function: the same values on every run);
+    # 43.8 is the 0.999 quantile of chi-square with 19 degrees of freedom
+    counts = Counter(int(v * 20) for v in vals)
+    expected = len(vals) / 20
+    assert sum((counts[b] - expected) ** 2 / expected for b in range(20)) < 43.8
+    # neighbouring seeds and positions are not correlated: lag-1 correlation near 0
+    xs = [keyed_uniform(11, p) for p in range(5000)]
+    m = sum(xs) / len(xs)
+    cov = sum((a - m) * (b - m) for a, b in zip(xs, xs[1:])) / (len(xs) - 1)
+    assert abs(cov / (1 / 12)) < 0.05
+
+
+def test_a_seeded_rows_token_depends_on_its_position_and_probabilities_only():
+    """Rows with a seed take keyed_uniform(seed, len(output_ids)): the inverse-CDF token of that
+    number, whatever rows are beside it and in whatever order (a verify's rows and a decode's agree)."""
+    from idleless.model.sampler import keyed_uniform
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = SamplingParams(temperature=1.0)
+    rows = [SamplingRow(params, None, [1], [2] * (i % 3), seed=100 + i // 3) for i in range(6)]
+    out = sample(logits, rows, set()).next_ids
+    for i, r in enumerate(rows):
+        cdf = torch.softmax(logits[i].double(), -1).cumsum(-1)
+        u = keyed_uniform(r.seed, len(r.output_ids))
+        assert out[i] == int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
+                                                right=True))
+        assert sample(logits[i:i + 1], [r], set()).next_ids == [out[i]]  # alone
+    rev = sample(logits.flip(0), rows[::-1], set()).next_ids
+    assert rev[::-1] == out

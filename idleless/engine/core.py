@@ -17,6 +17,7 @@ from idleless.engine.admission import check_request
 from idleless.engine.request import FinishReason, Request, RequestOutput
 from idleless.engine.scheduler import Scheduler
 from idleless.sampling_params import SamplingParams
+from idleless.spec import make_proposer
 
 PinDone = Callable[[Optional[int], Optional[str]], None]
 PREFILL_ONLY = SamplingParams(max_new_tokens=0, temperature=0.0)  # a pin's prefill: compute and cache, sample nothing
@@ -36,7 +37,9 @@ class EngineCore:
         self.config = config
         self.runner = runner
         mc = runner.model_config
-        self.scheduler = Scheduler(config, runner.pool, mc.vocab_size, runner.context_length, set(mc.eos_token_ids))
+        self.proposer = make_proposer(config, runner)
+        self.scheduler = Scheduler(config, runner.pool, mc.vocab_size, runner.context_length, set(mc.eos_token_ids),
+                                   self.proposer)
         self._pin_waiters: dict[str, tuple[str, list[int], float, PinDone]] = {}  # prefill rid -> pin
 
     def add_request(self, req: Request) -> None:
@@ -52,18 +55,21 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One step: plan -> execute -> commit. Returns the outputs it produced. Charges its time to
-        the ``schedule`` and ``forward`` buckets of ``scheduler.clock``."""
+        the ``schedule``, ``draft`` (the proposer, inside planning), and ``forward`` buckets of
+        ``scheduler.clock`` (``verify`` instead of ``forward`` for a step that checks proposed tokens)."""
         sched = self.scheduler
         clock = sched.clock
+        before = clock.totals["schedule"]
         plan = sched.schedule()
-        d_sched = clock.mark("schedule")
+        clock.mark("schedule")
         if plan.requests:
             result = self.runner.execute(plan)
-            d_fwd = clock.mark("forward")
+            d_fwd = clock.mark("verify" if plan.num_proposed else "forward")
             sched.commit(plan, result)
-            sched.account_step(plan, d_sched + clock.mark("schedule"), d_fwd)
+            clock.mark("schedule")
+            sched.account_step(plan, clock.totals["schedule"] - before, d_fwd)
         else:
-            sched.stats.schedule_time += d_sched
+            sched.stats.schedule_time += clock.totals["schedule"] - before
         outputs = sched.take_outputs()
         if self._pin_waiters:
             outputs = [o for o in outputs if not self._pin_prefilled(o)]
@@ -144,4 +150,5 @@ class EngineCore:
         d["time"] = self.scheduler.clock.snapshot()
         d["num_running"] = len(self.scheduler.running)
         d["num_waiting"] = len(self.scheduler.waiting)
+        d["speculative"] = self.proposer.stats()
         return d

@@ -90,6 +90,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.requests)
 
+    @property
+    def num_proposed(self) -> int:
+        """Proposed (draft) tokens in the step: those the verify accepts or rejects."""
+        return sum(r.num_proposed for r in self.requests)
+
 
 @dataclass
 class StepResult:

@@ -42,7 +42,7 @@ class Request:
     """The request message: what a frontend asks of the engine core (pickled over ZMQ as is).
 
     One sequence: a request with n > 1 is n of these sharing a prompt. Frozen; the engine keeps its
-    own ``RequestRecord`` (progress, KV slots, cache handle, generator) built from it at admission.
+    own ``RequestRecord`` (progress, KV slots, cache handle, seed) built from it at admission.
     ``priority``: higher is admitted first and retracted last. ``arrival_time``: time.monotonic() s."""
 
     rid: str
@@ -74,7 +74,7 @@ class RequestRecord:
     priority: int
     arrival_time: float
     max_new_tokens: int
-    generator: object = None
+    seed: int = 0  # the sampler's key: a position's random number is keyed_uniform(seed, position)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -89,6 +89,7 @@ class RequestRecord:
     num_sent: int = 0  # output tokens already reported
     prompt_logprobs: Optional[list[Optional[PromptLogprob]]] = None
     prompt_logprobs_sent: bool = False
+    accepted_per_verify: list[int] = field(default_factory=list)  # proposed tokens accepted, per verify step
 
     def __post_init__(self):
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
@@ -144,7 +145,8 @@ class RequestOutput:
     the first output after the prompt's last logits (with the first token, or the finish of a
     prefill-only request); None on every other output and when not asked for.
     finish_reason is set on the last output of a request; ``error`` carries a message for requests
-    that failed inside the engine. Token counts are totals so far.
+    that failed inside the engine. Token counts are totals so far. ``accepted_per_verify`` (last output
+    only): with speculative decoding, the proposed tokens accepted at each verify step of the request.
     """
 
     rid: str
@@ -158,6 +160,7 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: Optional[str] = None
+    accepted_per_verify: Optional[list[int]] = None
 
     @property
     def finished(self) -> bool:

@@ -117,7 +117,7 @@ class Scheduler:
             raise RequestError("the waiting queue is full", code="queue_full")
         seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.waiting.append(RequestRecord(req.rid, list(req.prompt_ids), req.params, req.priority, req.arrival_time,
-                                          max_new, generator=torch.Generator().manual_seed(seed)))
+                                          max_new, seed=seed))
         self.stats.num_requests += 1
 
     def abort(self, rid: str) -> bool:
@@ -194,7 +194,10 @@ class Scheduler:
         room = [max(0, min(r.max_new_tokens - len(r.output_ids), self.context_length - r.seq_len) - 1)
                 for r in decoding]
         out = {}
-        for rec, guess, cap in zip(decoding, self.proposer.propose(decoding, room), room):
+        self.clock.mark("schedule")
+        guesses = self.proposer.propose(decoding, room)
+        self.clock.mark("draft")
+        for rec, guess, cap in zip(decoding, guesses, room):
             guess = list(guess[:min(cap, max(budget, 0))])
             if guess:
                 out[rec.rid] = guess
@@ -294,7 +297,7 @@ class Scheduler:
         else:
             known = rec.all_ids[start:start + n]
         samples = start + n == rec.seq_len and rec.max_new_tokens > 0
-        row = SamplingRow(rec.params, rec.generator, rec.prompt_ids, rec.output_ids) if samples else None
+        row = SamplingRow(rec.params, None, rec.prompt_ids, rec.output_ids, seed=rec.seed) if samples else None
         need = rec.prompt_logit_rows
         lo, hi = max(need.start, start), min(need.stop, start + n)
         scored = PromptLogprobRows(lo - start, rec.prompt_ids[lo + 1:hi + 1], rec.params.prompt_logprobs) \
@@ -326,6 +329,9 @@ class Scheduler:
             accepted = 0
             while accepted < len(proposed) and sampled[accepted] == proposed[accepted]:
                 accepted += 1
+            if proposed:
+                rec.accepted_per_verify.append(accepted)
+                self.proposer.observe(rec, len(proposed), accepted)
             base = rec.num_computed + sr.num_known
             for j in range(accepted + 1):
                 # KV holds the known tokens and the accepted proposed tokens appended so far (a finish
@@ -345,6 +351,7 @@ class Scheduler:
         self.stats.forward_time += forward_s
         self.stats.schedule_time += schedule_s
         self.stats.num_steps += 1
+        self.proposer.observe_step(plan.num_tokens, plan.num_proposed, forward_s)
         if self.tracer is not None:
             self._trace(plan, schedule_s, forward_s)
 
@@ -362,7 +369,7 @@ class Scheduler:
         admitted = [recs[r.rid] for r in reqs if r.rid in recs and r.start == recs[r.rid].cached_tokens]
         self.tracer.write({
             "t": round(time.perf_counter() - self.clock.start, 6), "kind": kind, "batch_size": len(reqs),
-            "new_tokens": plan.num_tokens, "decode": n_decode, "sampled": sum(r.num_sampled for r in reqs),
+            "new_tokens": plan.num_tokens, "proposed": plan.num_proposed, "decode": n_decode, "sampled": sum(r.num_sampled for r in reqs),
             "admitted_prompt_tokens": sum(len(r.prompt_ids) for r in admitted),
             "cached_tokens": sum(r.cached_tokens for r in admitted),
             "running": len(self.running), "waiting": len(self.waiting),
@@ -398,6 +405,7 @@ class Scheduler:
     def _finish(self, rec: RequestRecord, reason: FinishReason) -> None:
         rec.finish_reason = reason
         self.kv.release(rec)
+        self.proposer.finish(rec)
         self._finished_ids.append(rec.rid)
         if reason == FinishReason.ABORT:
             self.stats.num_aborted += 1
@@ -421,7 +429,8 @@ class Scheduler:
             new_top_logprobs=rec.output_top_logprobs[k:] if rec.params.top_logprobs else None,
             prompt_logprobs=prompt_lps,
             prompt_tokens=len(rec.prompt_ids), cached_tokens=max(rec.cached_tokens, 0),
-            completion_tokens=len(rec.output_ids)))
+            completion_tokens=len(rec.output_ids),
+            accepted_per_verify=list(rec.accepted_per_verify) if rec.finished else None))
         rec.num_sent = len(rec.output_ids)
 
     # -- accounting --------------------------------------------------------------------------

@@ -4,8 +4,12 @@ A pure function of the logits and, per row, the sampling parameters, the token h
 torch.Generator: it knows nothing of engine requests. All rows that sample (temperature > 0) go
 through one vectorised pass — penalties, temperature and truncation are batched tensor ops with
 per-row parameter tensors (the shape of vLLM v1's ``Sampler`` and SGLang's sampler) — and then one
-inverse-CDF draw that takes a single uniform number per row from that row's own generator, so the
-same seed gives the same tokens whatever else is in the batch.
+inverse-CDF draw that takes a single uniform number per row, so the same seed gives the same tokens
+whatever else is in the batch. The engine keys that number by (seed, output position)
+(``keyed_uniform``) rather than drawing it from a stream: a token then depends on its position's
+probabilities and the seed only, never on how many numbers earlier steps consumed, which is what
+lets a speculative verify (several positions in one step, some rejected) give the same tokens as
+plain decoding.
 
 Returned logprobs are the model's raw log-softmax, taken before penalties, temperature and
 truncation (vLLM's default ``raw_logprobs``), so they do not change with sampling settings; they
@@ -35,12 +39,15 @@ class SamplingRow:
     Rows may share a generator: they then draw from it in row order.
     prompt_ids: for repetition_penalty. output_ids: generated so far, for repetition, frequency
     and presence penalties and for min_new_tokens.
+    seed: when set, the row's uniform is ``keyed_uniform(seed, len(output_ids))`` and ``generator``
+    is not used.
     """
 
     params: SamplingParams
     generator: Optional[torch.Generator]
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    seed: Optional[int] = None
 
 
 @dataclass
@@ -189,11 +196,32 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
     return keep
 
 
-def _uniforms(generators: Sequence[Optional[torch.Generator]], device) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row [R], from the row's generator (in row order, so rows
-    sharing a generator draw one after another) or, for None, torch's default generator."""
-    u = [float(torch.rand((), dtype=torch.float64, generator=g, device=g.device))
-         if g is not None else None for g in generators]
+_MASK64 = (1 << 64) - 1
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that is a pure function of (seed, position): two rounds of the
+    SplitMix64 finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
+    OOPSLA 2014) over the seed and the position, the top 53 bits as a float64. Any int seed
+    (taken mod 2**64) and position >= 0."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    for _ in range(2):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+        z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+def _uniforms(generators: Sequence[Optional[torch.Generator]], device,
+              keys: Optional[Sequence[Optional[tuple[int, int]]]] = None) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row [R]: ``keyed_uniform(*keys[r])`` where a key is given,
+    else from the row's generator (in row order, so rows sharing a generator draw one after
+    another) or, for None, torch's default generator."""
+    keys = keys or [None] * len(generators)
+    u = [keyed_uniform(*k) if k is not None else
+         float(torch.rand((), dtype=torch.float64, generator=g, device=g.device)) if g is not None else None
+         for g, k in zip(generators, keys)]
     shared = [j for j, x in enumerate(u) if x is None]
     if shared:
         for j, x in zip(shared, torch.rand(len(shared), dtype=torch.float64).tolist()):
@@ -201,18 +229,20 @@ def _uniforms(generators: Sequence[Optional[torch.Generator]], device) -> torch.
     return torch.tensor(u, dtype=torch.float64, device=device)
 
 
-def draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]],
+         keys: Optional[Sequence[Optional[tuple[int, int]]]] = None) -> torch.Tensor:
     """One token per row of probs [R, V] (non-negative, rows need not sum to 1): int64 [R].
 
     Inverse-CDF sampling: the first token whose cumulative probability (float64) exceeds u * total,
-    u uniform in [0, 1) from generators[r] — one random number per row, so a row's token depends
-    only on its probabilities and its generator's state, never on the other rows. Tokens of zero
+    u uniform in [0, 1): ``keyed_uniform(*keys[r])`` where keys[r] (seed, position) is given, else
+    from generators[r] — one random number per row, so a row's token depends only on its
+    probabilities and its key (or its generator's state), never on the other rows. Tokens of zero
     probability are never drawn.
     """
     R, V = probs.shape
     cdf = probs.to(torch.float64).cumsum(-1)
     total = cdf[:, -1:]
-    u = _uniforms(generators, probs.device).unsqueeze(1) * total
+    u = _uniforms(generators, probs.device, keys).unsqueeze(1) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: a token exists
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=V - 1)
 
@@ -262,7 +292,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
             params = [work[j].params for j in sampled]
             s = _take(x, s_ix) / _column([p.temperature for p in params], torch.float32, dev)
             t = truncate(s, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-            tok = draw(torch.softmax(t, -1), [work[j].generator for j in sampled])
+            tok = draw(torch.softmax(t, -1), [work[j].generator for j in sampled],
+                       [None if work[j].seed is None else (work[j].seed, len(work[j].output_ids)) for j in sampled])
             # A row whose largest tempered logit is not finite (an inf logit, NaN, or every token banned)
             # has no probabilities; any other row's softmax is finite (truncation keeps its maximum).
             bad = ~torch.isfinite(s.amax(-1))

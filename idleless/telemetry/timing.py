@@ -4,11 +4,13 @@
 time since the previous mark to ``bucket``, so the buckets always sum to the wall time since
 ``start`` (no gap, no double count). The engine loop marks ``io`` after receiving requests /
 sending outputs and ``idle_no_work`` after waiting with nothing to run; the scheduler marks
-``schedule`` (policy, radix match/insert, batch building) and ``forward`` (model forward and
-sampling). ``other`` takes what a loop does besides (e.g. handing outputs to callers).
+``schedule`` (policy, radix match/insert, batch building), ``draft`` (a speculative proposer's
+guessing, inside planning), ``forward`` (model forward and sampling) and ``verify`` (the forward of a
+step that checks proposed tokens). ``other`` takes what a loop does besides (e.g. handing outputs
+to callers).
 
-Busy fraction = forward / (wall - idle_no_work): the share of the time with work to do that the
-device spent computing. On CPU the forward's wall time is the device time. (On CUDA the forward
+Busy fraction = (forward + verify) / (wall - idle_no_work): the share of the time with work to do
+that the device spent computing the target model (a draft model's forwards are in ``draft``). On CPU the forward's wall time is the device time. (On CUDA the forward
 would be timed with CUDA events so host-side gaps show up as execution-idle; there is no CUDA
 backend yet.)
 """
@@ -20,7 +22,7 @@ import logging
 import time
 from typing import Optional
 
-BUCKETS = ("forward", "schedule", "io", "idle_no_work", "other")
+BUCKETS = ("forward", "verify", "draft", "schedule", "io", "idle_no_work", "other")
 
 log = logging.getLogger("idleless.telemetry")
 
@@ -52,7 +54,7 @@ class TimeAccount:
         wall = self._last - self.start
         d["wall"] = wall
         work = wall - d["idle_no_work"]
-        d["busy_fraction"] = d["forward"] / work if work > 0 else 0.0
+        d["busy_fraction"] = (d["forward"] + d["verify"]) / work if work > 0 else 0.0
         return d
 
 
@@ -103,7 +105,7 @@ class LoopReporter:
         st = scheduler.refresh_stats()
         snap = scheduler.clock.snapshot()
         prev = self._acct or dict.fromkeys(list(BUCKETS) + ["wall"], 0.0)
-        fwd = snap["forward"] - prev["forward"]
+        fwd = snap["forward"] + snap["verify"] - prev["forward"] - prev["verify"]
         work = (snap["wall"] - prev["wall"]) - (snap["idle_no_work"] - prev["idle_no_work"])
         busy = fwd / work if work > 0 else 0.0
         rate = (st.generation_tokens - self._gen) / (now - self._t)

@@ -65,6 +65,8 @@ class CompletionOutput:
     # params.prompt_logprobs_start (None at position 0), as vLLM's RequestOutput.prompt_logprobs
     prompt_logprobs: Optional[list] = None
     error: Optional[str] = None
+    # with speculative decoding: the proposed tokens accepted at each verify step ([] without)
+    accepted_per_verify: list[int] = field(default_factory=list)
 
 
 class RequestState:
@@ -90,6 +92,7 @@ class RequestState:
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
         self.prompt_logprobs: Optional[list] = None  # the engine's entries, once they arrive
+        self.accepted_per_verify: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -107,6 +110,8 @@ class RequestState:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.accepted_per_verify is not None:
+            self.accepted_per_verify = list(out.accepted_per_verify)
         new_ids = list(out.new_token_ids)
         if self._logprobs is not None and out.new_logprobs:
             self._logprobs += out.new_logprobs
@@ -150,7 +155,8 @@ class RequestState:
             completion_tokens=n,
             logprobs=self._logprobs[:n] if self._logprobs is not None else None,
             top_logprobs=self._top_logprobs[:n] if self._top_logprobs is not None else None,
-            prompt_token_ids=list(self.prompt_ids), prompt_logprobs=self.prompt_logprobs, error=self.error)
+            prompt_token_ids=list(self.prompt_ids), prompt_logprobs=self.prompt_logprobs, error=self.error,
+            accepted_per_verify=list(self.accepted_per_verify))
 
 
 def fan_out(base: str, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Tokenizer,

@@ -1,0 +1,221 @@
+"""Adaptive speculation: how many tokens to draft for each request, and whether to draft at all.
+
+``AdaptiveProposer`` wraps any proposer. Each step it gives every decoding request a draft length
+from two measured things:
+
+* the request's acceptance rate ``a`` (the chance that a guess is accepted given the ones before it
+  were): a decayed count of accepted guesses and first rejections, so it follows the request as its
+  text moves between copying and free writing (SGLang's adaptive EAGLE keeps an EMA the same way);
+* a cost model of the step: forward seconds as a function of the tokens in the step, measured online
+  (``StepCost``: one running average per power-of-two bucket of token counts, interpolated), plus the
+  proposer's own seconds per drafted token (``LinearCost``).
+
+Under the usual i.i.d. model (Leviathan et al., arXiv 2211.17192, section 3.1) the j-th guess of a
+request adds ``a**j`` expected tokens. The controller adds guesses in order of that value, across
+the whole batch, while the expected tokens per second of the step (``B + sum of a**j`` over
+``step time(B + drafts) + draft time``) still rise. Speculation is therefore off for a step exactly
+when no first guess pays for itself: at large batches, where the verify tokens are no longer free
+(the step is compute-bound), or when nothing is being accepted. Requests left without drafts drift
+back toward the batch-wide rate, so they are tried again later; unmeasured step sizes are assumed to
+cost what the largest measured one does (optimistic), so the model measures them before it trusts them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from typing import Sequence
+
+from idleless.spec.proposer import Proposer
+
+# Decay of a request's accepted / rejected counts per verify result (an EMA with weight 1 - DECAY).
+DECAY = 0.7
+# Per step without drafts, a request's counts shrink by this factor toward the batch-wide prior.
+IDLE_DECAY = 0.95
+# Pseudo-counts of the batch-wide acceptance rate in every request's estimate.
+PRIOR_WEIGHT = 2.0
+# Step-cost buckets: samples before a bucket is trusted, and the running-average weight of a new one.
+MIN_SAMPLES = 2
+COST_EMA = 0.2
+# Accepted-length histogram size for the metrics (0 .. MAX_HIST accepted guesses per verify).
+MAX_HIST = 16
+
+
+class StepCost:
+    """Forward seconds of a step as a function of its token count, learnt online.
+
+    One running average (weight ``COST_EMA``) of (tokens, seconds) per bucket ``ceil(log2(tokens))``;
+    ``predict`` interpolates linearly between trusted buckets (``MIN_SAMPLES`` samples), is flat below
+    the smallest and flat above the largest (optimistic: an unmeasured larger step is assumed as cheap
+    as the largest measured one, so it gets tried and measured). None until a bucket is trusted."""
+
+    def __init__(self):
+        self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, samples]
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """One executed step: ``tokens`` (>= 1) computed in ``seconds``."""
+        if tokens < 1 or not math.isfinite(seconds) or seconds < 0:
+            return
+        b = self._buckets.setdefault(max(0, math.ceil(math.log2(tokens))), [float(tokens), seconds, 0])
+        w = 1.0 if b[2] == 0 else max(COST_EMA, 1.0 / (b[2] + 1))
+        b[0] += w * (tokens - b[0])
+        b[1] += w * (seconds - b[1])
+        b[2] += 1
+
+    def predict(self, tokens: float):
+        """Predicted seconds for a step of ``tokens`` tokens, or None before any bucket is trusted."""
+        pts = sorted((x, t) for x, t, n in self._buckets.values() if n >= MIN_SAMPLES)
+        if not pts:
+            return None
+        xs = [x for x, _ in pts]
+        i = bisect.bisect_left(xs, tokens)
+        if i == 0:
+            return pts[0][1]
+        if i == len(pts):
+            return pts[-1][1]
+        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (tokens - x0) / (x1 - x0) if x1 > x0 else t1
+
+
+class LinearCost:
+    """Seconds per unit (a drafted token), a running average of seconds / units (weight COST_EMA)."""
+
+    def __init__(self):
+        self.per_unit = 0.0
+        self.samples = 0
+
+    def add(self, units: int, seconds: float) -> None:
+        if units <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        x = seconds / units
+        self.per_unit = x if self.samples == 0 else self.per_unit + COST_EMA * (x - self.per_unit)
+        self.samples += 1
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens a verify of ``k`` guesses yields at acceptance rate ``a``: the accepted run
+    plus the target's own token, ``sum_{j=0..k} a**j`` (Leviathan et al., eq. 1)."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class AdaptiveProposer(Proposer):
+    """Wraps ``inner`` (the proposer that guesses) with per-request draft lengths and auto-off.
+
+    max_draft: the most guesses per request per step (``--speculative-num-draft-tokens``);
+    adaptive=False always asks for max_draft (bounded by the scheduler's room) and never switches off.
+    ``stats()``: counters for /metrics and the offline report (see its docstring)."""
+
+    def __init__(self, inner: Proposer, max_draft: int, adaptive: bool = True):
+        self.inner = inner
+        self.name = inner.name
+        self.max_draft = max_draft
+        self.adaptive = adaptive
+        self.step_cost = StepCost()
+        self.draft_cost = LinearCost()
+        self._counts: dict[str, list[float]] = {}  # rid -> [accepted, rejected] (decayed)
+        self._global = [1.0, 1.0]  # batch-wide decayed counts (the prior of every request)
+        self.num_verifies = 0  # request-verifies: one per request per step with guesses
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_steps_on = 0
+        self.num_steps_off = 0
+        self.draft_seconds = 0.0
+        self.accepted_hist = [0] * (MAX_HIST + 1)
+
+    # -- planning --------------------------------------------------------------------------
+    def acceptance(self, rid: str) -> float:
+        """The request's estimated acceptance rate in [0, 1] (the batch-wide one before it has any)."""
+        g_acc, g_rej = self._global
+        prior = g_acc / (g_acc + g_rej)
+        acc, rej = self._counts.get(rid, (0.0, 0.0))
+        return (acc + PRIOR_WEIGHT * prior) / (acc + rej + PRIOR_WEIGHT)
+
+    def draft_lengths(self, rates: Sequence[float], room: Sequence[int]) -> list[int]:
+        """Guesses per request that maximise the step's expected tokens per second (module
+        docstring). ``rates``: acceptance per request; ``room``: the most each may take. The cost of
+        m guesses depends on m only, so for each m the best guesses are the m of highest value
+        ``a**j``; every m is tried and the best ratio wins (the fewest guesses on a tie). All zeros
+        when no guess pays (speculation off)."""
+        caps = [min(r, self.max_draft) for r in room]
+        if not self.adaptive:
+            return caps
+        B = len(rates)
+        t_plain = self.step_cost.predict(B)
+        if t_plain is None:  # nothing measured yet: speculate, and measure
+            return caps
+        gains = sorted(((a ** j, i) for i, a in enumerate(rates) for j in range(1, caps[i] + 1)), reverse=True)
+        value, best, best_m = float(B), B / t_plain, 0
+        for m, (gain, _) in enumerate(gains, 1):
+            value += gain
+            ratio = value / (self.step_cost.predict(B + m) + self.draft_cost.per_unit * m)
+            if ratio > best:
+                best, best_m = ratio, m
+        ks = [0] * B
+        for _, i in gains[:best_m]:
+            ks[i] += 1
+        return ks
+
+    def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
+        ks = self.draft_lengths([self.acceptance(r.rid) for r in requests], max_tokens)
+        if not any(ks):
+            self.num_steps_off += 1
+            self._drift(requests)
+            return [[] for _ in requests]
+        t0 = time.perf_counter()
+        drafts = [list(d[:k]) for d, k in zip(self.inner.propose(requests, ks), ks)]
+        dt = time.perf_counter() - t0
+        n = sum(map(len, drafts))
+        self.draft_seconds += dt
+        self.draft_cost.add(n, dt)
+        self.num_steps_on += 1
+        self._drift([r for r, d in zip(requests, drafts) if not d])
+        return drafts
+
+    def _drift(self, requests: Sequence) -> None:
+        """Requests without guesses this step: their counts shrink toward the batch-wide prior."""
+        for r in requests:
+            c = self._counts.get(r.rid)
+            if c is not None:
+                c[0] *= IDLE_DECAY
+                c[1] *= IDLE_DECAY
+
+    # -- feedback --------------------------------------------------------------------------
+    def observe(self, request, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed <= 0:
+            return
+        rejected = 1.0 if num_accepted < num_proposed else 0.0
+        for c in (self._counts.setdefault(request.rid, [0.0, 0.0]), self._global):
+            c[0] = DECAY * c[0] + num_accepted
+            c[1] = DECAY * c[1] + rejected
+        self.num_verifies += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        self.accepted_hist[min(num_accepted, MAX_HIST)] += 1
+        self.inner.observe(request, num_proposed, num_accepted)
+
+    def observe_step(self, num_tokens: int, num_proposed: int, forward_s: float) -> None:
+        self.step_cost.add(num_tokens, forward_s)
+        self.inner.observe_step(num_tokens, num_proposed, forward_s)
+
+    def finish(self, request) -> None:
+        self._counts.pop(request.rid, None)
+        self.inner.finish(request)
+
+    def stats(self) -> dict:
+        """``algorithm``; ``num_drafts`` (request-verifies), ``num_draft_tokens``,
+        ``num_accepted_tokens``; ``acceptance_rate`` (accepted / drafted tokens);
+        ``mean_accepted_length`` (tokens per verify: accepted guesses + the target's own);
+        ``num_steps_on`` / ``num_steps_off`` (steps with decoding requests that drafted or not);
+        ``draft_seconds``; ``accepted_hist`` (verifies by accepted guesses, 0..MAX_HIST); and the
+        proposer's own counters under ``proposer``."""
+        v = self.num_verifies
+        return {
+            "algorithm": self.name, "num_drafts": v, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "mean_accepted_length": (self.num_accepted_tokens + v) / v if v else 0.0,
+            "num_steps_on": self.num_steps_on, "num_steps_off": self.num_steps_off,
+            "draft_seconds": self.draft_seconds, "accepted_hist": list(self.accepted_hist),
+            "proposer": self.inner.stats(),
+        }

@@ -1,0 +1,142 @@
+"""The adaptive speculation controller on scripted costs and acceptances (no model).
+
+References: expected tokens by enumerating accept/reject outcomes; draft lengths by brute force over
+every draft-length vector; the acceptance estimate by hand-computed decayed counts."""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+
+from idleless.spec.adaptive import DECAY, PRIOR_WEIGHT, AdaptiveProposer, StepCost, expected_tokens
+from idleless.spec.proposer import Proposer
+
+
+def rec(rid):
+    return types.SimpleNamespace(rid=rid, prompt_ids=[1, 2], output_ids=[3], all_ids=[1, 2, 3])
+
+
+class Fixed(Proposer):
+    """Proposes k copies of token 7 and records the calls."""
+
+    name = "fixed"
+
+    def __init__(self):
+        self.calls = []
+
+    def propose(self, requests, max_tokens):
+        self.calls.append(list(max_tokens))
+        return [[7] * k for k in max_tokens]
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+def test_expected_tokens_matches_enumeration(a, k):
+    # P(exactly i accepted) = a^i (1 - a) for i < k, a^k for i = k; each verify yields i + 1 tokens
+    ref = sum((i + 1) * a ** i * (1 - a) for i in range(k)) + (k + 1) * a ** k
+    assert expected_tokens(a, k) == pytest.approx(ref)
+
+
+def scripted_cost(fn, sizes):
+    c = StepCost()
+    for x in sizes:
+        for _ in range(3):
+            c.add(x, fn(x))
+    return c
+
+
+def test_step_cost_interpolates_and_is_flat_outside():
+    c = scripted_cost(lambda x: 0.1 + 0.01 * x, [1, 8, 64])
+    assert c.predict(1) == pytest.approx(0.11)
+    assert c.predict(8) == pytest.approx(0.18)
+    assert c.predict(36) == pytest.approx(0.18 + (0.74 - 0.18) * 28 / 56)
+    assert c.predict(0.5) == pytest.approx(0.11)  # flat below the smallest measured size
+    assert c.predict(1000) == pytest.approx(0.74)  # optimistic (flat) above the largest
+    assert StepCost().predict(4) is None
+    one = StepCost()
+    one.add(4, 0.2)
+    assert one.predict(4) is None  # a bucket is trusted after MIN_SAMPLES samples
+
+
+def brute_force(ctl, rates, caps):
+    B = len(rates)
+    best, best_ks = None, None
+    for ks in itertools.product(*[range(c + 1) for c in caps]):
+        m = sum(ks)
+        value = B + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
+        ratio = value / (ctl.step_cost.predict(B + m) + ctl.draft_cost.per_unit * m)
+        if best is None or ratio > best + 1e-12:
+            best, best_ks = ratio, ks
+    return best, best_ks
+
+
+@pytest.mark.parametrize("shape", ["memory_bound", "roofline", "compute_bound"])
+@pytest.mark.parametrize("rates", [(0.9, 0.5, 0.1), (0.0, 0.0, 0.0), (0.99, 0.99, 0.7), (0.6, 0.2, 0.4)])
+def test_draft_lengths_are_the_best_ratio(shape, rates):
+    fn = {"memory_bound": lambda x: 0.05 + 1e-4 * x,
+          "roofline": lambda x: max(0.05, 0.004 * x),
+          "compute_bound": lambda x: 0.01 * x}[shape]
+    ctl = AdaptiveProposer(Fixed(), max_draft=4)
+    ctl.step_cost = scripted_cost(fn, [1, 2, 3, 4, 6, 8, 12, 16])
+    ctl.draft_cost.add(10, 0.002)  # 0.2 ms per drafted token
+    ks = ctl.draft_lengths(list(rates), [4, 4, 4])
+    best, ref = brute_force(ctl, rates, [4, 4, 4])
+    m = sum(ks)
+    value = 3 + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
+    assert value / (ctl.step_cost.predict(3 + m) + ctl.draft_cost.per_unit * m) == pytest.approx(best)
+    if shape == "compute_bound" or max(rates) == 0.0:
+        assert ks == [0, 0, 0]  # extra tokens cost as much as they are worth or more: off
+    if shape == "memory_bound" and rates == (0.99, 0.99, 0.7):
+        assert ks == [4, 4, 4]
+
+
+def test_auto_off_skips_the_proposer_and_counts_the_step():
+    inner = Fixed()
+    ctl = AdaptiveProposer(inner, max_draft=4)
+    ctl.step_cost = scripted_cost(lambda x: 0.01 * x, [1, 2, 4, 8])  # compute-bound: never pays
+    out = ctl.propose([rec("a"), rec("b")], [4, 4])
+    assert out == [[], []] and inner.calls == []
+    assert ctl.stats()["num_steps_off"] == 1 and ctl.stats()["num_steps_on"] == 0
+
+
+def test_cold_start_and_fixed_mode_ask_for_the_room():
+    inner = Fixed()
+    ctl = AdaptiveProposer(inner, max_draft=3)
+    assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[7, 7, 7], [7]]  # nothing measured: speculate
+    fixed = AdaptiveProposer(Fixed(), max_draft=3, adaptive=False)
+    fixed.step_cost = scripted_cost(lambda x: 0.01 * x, [1, 2, 4, 8])
+    assert fixed.propose([rec("a")], [2]) == [[7, 7]]
+
+
+def test_acceptance_estimate_follows_hand_computed_decayed_counts():
+    ctl = AdaptiveProposer(Fixed(), max_draft=4)
+    r = rec("a")
+    assert ctl.acceptance("a") == pytest.approx(0.5)  # the batch-wide prior starts at 1 : 1
+    ctl.observe(r, 4, 4)  # all accepted: 4 successes, no rejection
+    ctl.observe(r, 4, 1)  # one accepted, then rejected
+    acc = DECAY * 4 + 1
+    rej = DECAY * 0 + 1
+    g_acc = DECAY * (DECAY * 1 + 4) + 1
+    g_rej = DECAY * (DECAY * 1 + 0) + 1
+    prior = g_acc / (g_acc + g_rej)
+    assert ctl.acceptance("a") == pytest.approx((acc + PRIOR_WEIGHT * prior) / (acc + rej + PRIOR_WEIGHT))
+    st = ctl.stats()
+    assert (st["num_drafts"], st["num_draft_tokens"], st["num_accepted_tokens"]) == (2, 8, 5)
+    assert st["acceptance_rate"] == pytest.approx(5 / 8)
+    assert st["mean_accepted_length"] == pytest.approx((5 + 2) / 2)
+    assert st["accepted_hist"][4] == 1 and st["accepted_hist"][1] == 1
+    ctl.finish(r)
+    assert ctl.acceptance("a") == pytest.approx(prior)  # state dropped: back to the batch-wide rate
+
+
+def test_a_request_that_stops_matching_gets_shorter_drafts_then_none():
+    ctl = AdaptiveProposer(Fixed(), max_draft=6)
+    ctl.step_cost = scripted_cost(lambda x: 0.05 + 0.002 * x, [1, 2, 4, 8, 16])
+    good, bad = rec("good"), rec("bad")
+    for _ in range(6):
+        ctl.observe(good, 6, 6)
+        ctl.observe(bad, 6, 0)
+    ks = ctl.draft_lengths([ctl.acceptance("good"), ctl.acceptance("bad")], [6, 6])
+    assert ks[0] == 6 and ks[1] < 2

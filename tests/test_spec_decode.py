@@ -1,0 +1,168 @@
+"""Speculative decoding end to end on a tiny random Llama: lossless, exact at the stops, KV exact.
+
+The proposer here is an oracle that knows each request's answer without speculation (the reference,
+run first on its own engine) and guesses it with deliberate mistakes, so every verify mixes accepted
+and rejected guesses. With deterministic numerics (bfloat16, batch-invariant kernels) and
+position-keyed sampling, the output with speculation must equal the reference bitwise: greedy and
+seeded requests, token ids and logprobs, whatever the batch, chunking or pool size; stop tokens and
+max_new_tokens inside an accepted run end the request exactly there; rejected guesses never enter
+the radix tree and the KV pool's accounting stays exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from idleless.cache.kv_pool import KVPool
+from idleless.config import EngineConfig
+from idleless.engine.core import EngineCore
+from idleless.engine.request import FinishReason, Request, SamplingParams
+from idleless.spec.adaptive import AdaptiveProposer
+from idleless.spec.proposer import Proposer
+
+from conftest import TEST_THREADS, make_tiny_model
+from kv_invariants import check_ownership, tree_nodes
+
+VOCAB = 256
+TINY_BYTES = KVPool.bytes_per_token(2, 2, 16, torch.bfloat16)
+
+
+def _ids(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("spec"), max_position_embeddings=1024)
+
+
+def _core(model, slots=4096, **kw) -> EngineCore:
+    cfg = dict(model=model, dtype="bfloat16", kv_cache_memory=str(slots * TINY_BYTES), num_threads=TEST_THREADS,
+               enable_deterministic_inference=True)
+    cfg.update(kw)
+    return EngineCore(EngineConfig(**cfg))
+
+
+class Oracle(Proposer):
+    """Guesses each request's reference answer, wrong wherever (position + seed) % period == 0."""
+
+    name = "oracle"
+
+    def __init__(self, answers: dict[str, list[int]], period: int = 4):
+        self.answers = answers
+        self.period = period
+        self.finished: list[str] = []
+
+    def propose(self, requests, max_tokens):
+        out = []
+        for r, k in zip(requests, max_tokens):
+            ans = self.answers.get(r.rid, [])
+            pos = len(r.output_ids)
+            guess = list(ans[pos:pos + k])
+            out.append([(t + 1) % VOCAB if (pos + j + len(r.rid)) % self.period == 0 else t
+                        for j, t in enumerate(guess)])
+        return out
+
+    def finish(self, request):
+        self.finished.append(request.rid)
+
+
+def _install(core: EngineCore, proposer: Proposer) -> None:
+    core.proposer = core.scheduler.proposer = proposer
+
+
+def _drive(core: EngineCore, reqs: list[Request]) -> dict:
+    for r in reqs:
+        core.add_request(r)
+    out = {r.rid: {"ids": [], "lps": [], "finish": None} for r in reqs}
+    steps = 0
+    while core.has_work():
+        steps += 1
+        assert steps < 5000
+        for o in core.step():
+            out[o.rid]["ids"].extend(o.new_token_ids)
+            out[o.rid]["lps"].extend(o.new_logprobs or [])
+            if o.finished:
+                out[o.rid]["finish"] = o.finish_reason
+        check_ownership(core.scheduler)
+    return out
+
+
+def _requests():
+    """Greedy and seeded-sampled requests of mixed prompt and answer lengths, two sharing a prefix."""
+    shared = _ids(90, 1)
+    specs = [("g0", _ids(40, 2), 0.0, None, 30), ("g1", shared + _ids(10, 3), 0.0, None, 25),
+             ("s0", shared + _ids(30, 4), 0.9, 11, 28), ("s1", _ids(200, 5), 1.0, 12, 20),
+             ("g2", _ids(7, 6), 0.0, None, 33), ("s2", _ids(60, 7), 0.7, 13, 26)]
+    return [Request(rid, ids, SamplingParams(temperature=t, seed=seed, max_new_tokens=n, ignore_eos=True,
+                                             logprobs=True))
+            for rid, ids, t, seed, n in specs]
+
+
+@pytest.fixture(scope="module")
+def reference(spec_model):
+    out = _drive(_core(spec_model), _requests())
+    assert all(len(v["ids"]) == r.params.max_new_tokens for r, v in zip(_requests(), out.values()))
+    return out
+
+
+@pytest.mark.parametrize("chunk,slots,draft", [(2048, 4096, 5), (16, 4096, 3), (2048, 700, 6)])
+def test_speculation_changes_no_token_and_no_logprob(spec_model, reference, chunk, slots, draft):
+    core = _core(spec_model, slots=slots, chunked_prefill_size=chunk)
+    oracle = Oracle({rid: v["ids"] for rid, v in reference.items()})
+    ctl = AdaptiveProposer(oracle, draft, adaptive=False)
+    _install(core, ctl)
+    out = _drive(core, _requests())
+    for rid, ref in reference.items():
+        assert out[rid]["ids"] == ref["ids"], rid
+        assert out[rid]["lps"] == ref["lps"], rid
+    st = ctl.stats()
+    assert st["num_accepted_tokens"] > 0 and st["num_accepted_tokens"] < st["num_draft_tokens"]  # both kinds
+    assert sorted(oracle.finished) == sorted(reference)
+    # every sequence in the radix tree is a prefix of a real request's prompt + answer: no rejected guess
+    truth = [r.prompt_ids + reference[r.rid]["ids"] for r in _requests()]
+    for node in tree_nodes(core.scheduler.cache):
+        path, n = [], node
+        while n is not None and n.parent is not None:
+            path[:0] = list(n.key)
+            n = n.parent
+        assert any(t[:len(path)] == path for t in truth)
+    kv = core.scheduler.kv_usage()
+    assert kv["in_use"] == 0 and kv["free"] + kv["cached"] == kv["total"]
+
+
+def test_a_stop_token_or_the_length_limit_inside_an_accepted_run_ends_the_request_there(spec_model, reference):
+    ref = reference["g0"]["ids"]
+    i = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
+    prompt = _requests()[0].prompt_ids
+    reqs = [Request("stop", prompt, SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[ref[i]])),
+            Request("len", prompt, SamplingParams(temperature=0.0, max_new_tokens=i - 1, ignore_eos=True))]
+    core = _core(spec_model)
+    # a perfect oracle guessing 8 at a time: the stop token and the limit fall inside accepted runs
+    _install(core, AdaptiveProposer(Oracle({"stop": ref, "len": ref}, period=10**9), 8, adaptive=False))
+    out = _drive(core, reqs)
+    assert out["stop"]["ids"] == ref[:i + 1] and out["stop"]["finish"] == FinishReason.STOP
+    assert out["len"]["ids"] == ref[:i - 1] and out["len"]["finish"] == FinishReason.LENGTH
+    assert core.stats()["generation_tokens"] == 2 * i  # nothing after the stop is counted
+
+
+def test_verify_and_draft_time_have_their_own_buckets(spec_model, reference):
+    core = _core(spec_model)
+    _install(core, AdaptiveProposer(Oracle({r: v["ids"] for r, v in reference.items()}), 4, adaptive=False))
+    _drive(core, _requests()[:2])
+    t = core.stats()["time"]
+    assert t["verify"] > 0 and t["draft"] > 0
+    assert t["busy_fraction"] > 0
+    spec = core.stats()["speculative"]
+    assert spec["algorithm"] == "oracle" and spec["num_drafts"] > 0
+
+
+def test_bad_speculative_configuration_is_refused_at_start_up(spec_model):
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        EngineConfig(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="draft_model_path"):
+        EngineConfig(speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="context length"):
+        _core(spec_model, speculative_algorithm="ngram", speculative_num_draft_tokens=4096)
