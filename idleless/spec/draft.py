@@ -1,0 +1,189 @@
+"""The ``draft`` proposer: a smaller model with the target's tokenizer guesses the next tokens.
+
+Speculative decoding as in Leviathan et al. (arXiv 2211.17192) and Chen et al. (arXiv 2302.01318):
+a cheap draft model runs k autoregressive steps, the target model checks all k guesses in one
+forward. Here the guesses are the draft's greedy argmax, a point-mass proposal, so the scheduler's
+accept-while-equal commit is the papers' rejection rule exactly (see ``idleless.spec.proposer``).
+
+The draft model runs in its own ``ModelRunner`` (own KV pool, attention backend, the target's dtype
+and kernels) and this proposer is a small scheduler over it: per request it keeps the tokens whose
+draft KV is computed and their slot table (a ``DraftSeq``), with its own prefix cache (the radix
+tree, through ``RequestKV``), so a prompt shared by requests is computed once in the draft too.
+``propose`` first truncates each request's draft KV to the longest common prefix with the target's
+tokens (guesses past the accepted ones are stale), then runs one batched catch-up extend (the whole
+prompt the first time, chunked by ``chunked_prefill_size``; later the last accepted guess and the
+target's own token) that samples the first guess, then k-1 batched one-token decode steps. A full
+draft pool never fails the target's step: the request proposes nothing and its draft KV goes back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+
+from idleless.cache import make_prefix_cache
+from idleless.config import EngineConfig
+from idleless.engine.kv_manager import RequestKV
+from idleless.engine.plan import ScheduledRequest, StepPlan
+from idleless.model.loader import load_model_config, prepare_model_dir
+from idleless.model.runner import ModelRunner
+from idleless.model.sampler import SamplingRow
+from idleless.sampling_params import SamplingParams
+from idleless.spec.proposer import Proposer
+
+# the draft's sampler row: greedy argmax, no penalties (a point-mass proposal)
+GREEDY = SamplingRow(SamplingParams(temperature=0.0), None, (), ())
+
+
+@dataclass(eq=False)
+class DraftSeq:
+    """The draft side of one request, in the fields ``RequestKV`` uses.
+
+    all_ids: token ids, the first ``num_computed`` of them with draft KV in ``slots`` (int64, at least
+    ``num_computed`` long); ``confirmed``: leading tokens known to be the target's (never stale);
+    ``cache_handle``: the locked draft-cache handle covering ``slots[:num_tree_tokens]``."""
+
+    rid: str
+    all_ids: list[int]
+    slots: Optional[torch.Tensor] = None
+    cache_handle: object = None
+    num_computed: int = 0
+    confirmed: int = 0
+
+    @property
+    def num_tree_tokens(self) -> int:
+        return self.cache_handle.cached_len if self.cache_handle is not None else 0
+
+
+class DraftModelProposer(Proposer):
+    """Guesses with the draft model ``config.speculative_draft_model_path`` (see the module docstring).
+
+    ``target_runner``: the target's ModelRunner (``model_config.vocab_size``, ``context_length``).
+    The draft runner is built from ``config`` with the draft's path and
+    ``speculative_draft_kv_cache_memory``. Raises ValueError when no draft path is set, the path does
+    not exist, or the draft's vocab_size differs from the target's; ValueError from the loader for a
+    draft it cannot load."""
+
+    name = "draft"
+
+    def __init__(self, config: EngineConfig, target_runner):
+        path = config.speculative_draft_model_path
+        if not path:
+            raise ValueError("the draft proposer needs speculative_draft_model_path (a smaller model with the "
+                             "target's tokenizer)")
+        try:
+            draft_dir = prepare_model_dir(path)
+        except FileNotFoundError as e:
+            raise ValueError(f"speculative_draft_model_path {path!r}: {e}") from e
+        vocab, target_vocab = load_model_config(draft_dir).vocab_size, target_runner.model_config.vocab_size
+        if vocab != target_vocab:
+            raise ValueError(f"the draft model {path!r} has vocab_size {vocab}, the target model {target_vocab}: "
+                             "a draft must share the target's tokenizer")
+        self.config = config
+        self.runner = ModelRunner(replace(config, model=draft_dir, speculative_algorithm=None,
+                                          kv_cache_memory=config.speculative_draft_kv_cache_memory,
+                                          context_length=target_runner.context_length))
+        self.pool = self.runner.pool
+        self.kv = RequestKV(self.pool, make_prefix_cache(config, self.pool))
+        self.seqs: dict[str, DraftSeq] = {}  # rid -> draft state, for requests proposed for and not finished
+        self.forward_s = 0.0
+        self.num_tokens = 0
+
+    def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
+        """Greedy draft guesses, ``max_tokens[i]`` for request i, or [] for a request whose prompt is
+        still being caught up (chunked), that the step's token budget (``max_prefill_tokens``) left out,
+        or that the draft pool cannot hold. Runs 1 + (max k - 1) draft forwards."""
+        out: list[list[int]] = [[] for _ in requests]
+        chunk = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else None
+        budget = self.config.max_prefill_tokens
+        work = []  # (index, seq, catch-up tokens, guesses wanted: 0 while not caught up)
+        for i, (rec, k) in enumerate(zip(requests, max_tokens)):
+            if k <= 0 or budget <= 0:
+                continue
+            seq = self._sync(rec)
+            n = min(len(seq.all_ids) - seq.num_computed, chunk or budget, budget)
+            k = k if seq.num_computed + n == len(seq.all_ids) else 0
+            if self.kv.grow(seq, n + max(k - 1, 0)) is None:
+                self._release(rec.rid)
+                continue
+            budget -= n
+            work.append((i, seq, n, k))
+        if not work:
+            return out
+        plan = [ScheduledRequest(s.rid, s.all_ids[s.num_computed:s.num_computed + n], n, s.num_computed,
+                                 s.slots[:s.num_computed + n], GREEDY if k else None) for _, s, n, k in work]
+        for (i, seq, n, k), toks in zip(work, self._execute(plan)):
+            seq.num_computed += n
+            if n > 1:
+                self.kv.cache_computed(seq)  # share the prompt with later requests at once
+            out[i] = toks
+        live = [(i, seq, k) for i, seq, _, k in work if k > 1]
+        for j in range(1, max((k for _, _, k in live), default=1)):
+            live = [w for w in live if w[2] > j]
+            for i, seq, _ in live:
+                seq.all_ids.append(out[i][-1])
+            plan = [ScheduledRequest(s.rid, [s.all_ids[-1]], 1, s.num_computed, s.slots[:s.num_computed + 1], GREEDY)
+                    for _, s, _ in live]
+            for (i, seq, _), toks in zip(live, self._execute(plan)):
+                seq.num_computed += 1
+                out[i] += toks
+        return out
+
+    def finish(self, request) -> None:
+        """Release ``request``'s draft KV: its tokens the target confirmed go into the draft's radix
+        tree, its stale guesses' slots back to the pool."""
+        if request.rid in self.seqs:
+            self._truncate(self.seqs[request.rid], request.all_ids)
+            self._release(request.rid)
+
+    def stats(self) -> dict:
+        """``draft_forward_s``: seconds in the draft model's forwards (sampling included);
+        ``draft_tokens``: tokens the draft model computed."""
+        return {"draft_forward_s": self.forward_s, "draft_tokens": self.num_tokens}
+
+    def kv_usage(self) -> dict:
+        """The draft pool's slot ownership in tokens: free + cached (tree) + in_use (requests') == total."""
+        return {"total": self.pool.num_slots, "free": self.pool.num_free_slots, "cached": self.kv.cache.total_size,
+                "in_use": sum(self.kv.own_tokens(s) for s in self.seqs.values())}
+
+    def _sync(self, rec) -> DraftSeq:
+        """``rec``'s draft state with its KV cut to the longest common prefix with ``rec.all_ids``
+        (at most all tokens but the last, whose logits give the first guess); ``all_ids`` becomes the
+        target's tokens. A new request starts from the draft cache's longest cached prefix."""
+        target = rec.all_ids
+        seq = self.seqs.get(rec.rid)
+        if seq is None:
+            seq = self.seqs[rec.rid] = DraftSeq(rec.rid, list(target))
+            self.kv.attach_prefix(seq, len(target) - 1)
+        else:
+            self._truncate(seq, target)
+            if seq.num_computed == len(target):
+                self.kv.truncate(seq, len(target) - 1)
+                seq.num_computed -= 1
+            seq.all_ids = list(target)
+        seq.confirmed = len(target)
+        return seq
+
+    def _truncate(self, seq: DraftSeq, target: list[int]) -> None:
+        """Cut ``seq``'s draft KV to its longest common prefix with ``target`` (the target's tokens)."""
+        keep = min(seq.confirmed, seq.num_computed)  # the tokens before it were the target's already
+        while keep < seq.num_computed and keep < len(target) and seq.all_ids[keep] == target[keep]:
+            keep += 1
+        self.kv.truncate(seq, keep)
+        seq.num_computed = keep
+        del seq.all_ids[keep:]
+
+    def _release(self, rid: str) -> None:
+        """Drop ``rid``'s draft state: computed whole pages into the draft tree, the rest freed."""
+        self.kv.release(self.seqs.pop(rid))
+
+    def _execute(self, requests: list[ScheduledRequest]) -> list[list[int]]:
+        """One draft forward over ``requests``; the sampled tokens per request."""
+        t0 = time.perf_counter()
+        sampled = self.runner.execute(StepPlan(requests)).sampled
+        self.forward_s += time.perf_counter() - t0
+        self.num_tokens += sum(r.num_tokens for r in requests)
+        return sampled
