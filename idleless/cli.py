@@ -13,12 +13,15 @@ from idleless.config import add_cli_args, config_from_args
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128, help="max new tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="max new tokens (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to "
+                                                          "this probability mass (default: 1, all)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (default: -1, all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top token's "
+                                                          "probability (default: 0, none)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens already seen (default: 1, off)")
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -82,14 +85,16 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": text})
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``idleless`` parser with its subcommands (each sets ``func`` to its entry point)."""
     parser = argparse.ArgumentParser(prog="idleless", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions offline")
     g.add_argument("prompt", nargs="+", help="prompt text (several for a batch)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="print finish reason and token counts of each output to stderr")
     _sampling_args(g)
     add_cli_args(g)
     g.set_defaults(func=cmd_generate)
@@ -109,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks")
     bench_cli.add_args(b)
     b.set_defaults(func=bench_cli.main)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args) or 0

@@ -57,43 +57,65 @@ def available_memory_bytes() -> float:
     return 8 * 1024**3
 
 
+def option(default, help: str, *aliases: str):
+    """An EngineConfig field whose ``--help`` text and extra flag names (the names SGLang and vLLM
+    users type for the same setting) live in its metadata; ``add_cli_args`` reads them."""
+    return field(default=default, metadata={"help": help, "aliases": aliases})
+
+
 @dataclass
 class EngineConfig:
     """All engine settings. Units: tokens unless said otherwise."""
 
-    model: Optional[str] = None  # GGUF file or HF directory; None = the bundled SmolLM2-135M-Instruct
-    tokenizer: Optional[str] = None  # defaults to the model's own
-    dtype: str = "auto"  # float32 | bfloat16 | auto (bfloat16 when the CPU has native bf16)
-    device: str = "cpu"
-    disable_weight_prepack: bool = False  # bf16 on CPU: keep oneDNN- (and AMX-) packed weights (faster linears, weights x2-3 RAM)
-    disable_cpu_kernels: bool = False  # CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, decode attention)
-    enable_deterministic_inference: bool = False  # batch-invariant kernels: a position's logits depend on its tokens only
-    seed: int = 0
-    context_length: Optional[int] = None  # defaults to the model's max_position_embeddings
-    kv_cache_memory: str = "2GiB"  # bytes ("2GiB") or a fraction of available RAM ("0.2")
-    page_size: int = 1
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # token budget of one step: prefill chunks + decode tokens
-    chunked_prefill_size: int = 2048  # a long prompt is prefilled in chunks of at most this many; <= 0: off
-    max_queued_requests: int = 4096
-    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight (see idleless.engine.policy)
-    schedule_fallback_threshold: int = 128  # lpm / dfs-weight fall back to fcfs above this many waiting
-    max_queue_delay: float = 30.0  # seconds; a request waiting longer goes before cache-ordered ones
-    disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"  # lru | gdsf (value-aware)
-    max_pinned_tokens: Optional[int] = None  # cap on pinned prefix tokens; default a quarter of the pool
-    num_threads: int = 0  # torch intra-op threads; 0 = all cores offline, all but one for `idleless serve`
-    trace_file: Optional[str] = None
-    log_level: str = "info"
-    served_model_name: Optional[str] = None
+    model: Optional[str] = option(None, "GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct)",
+                                  "--model-path")
+    tokenizer: Optional[str] = option(None, "tokenizer directory (default: the model's own)", "--tokenizer-path")
+    dtype: str = option("auto", "float32 | bfloat16 | float16 | auto (bfloat16 when the CPU has native bf16 "
+                        "matmul, else float32)")
+    device: str = option("cpu", "torch device of the model and the KV pool; the fused C kernels run on cpu only")
+    disable_weight_prepack: bool = option(False, "bf16 on CPU: plain F.linear instead of the oneDNN- (and AMX-) "
+                                          "packed weights kept by default (faster linears, weights x2-3 RAM)")
+    disable_cpu_kernels: bool = option(False, "CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, "
+                                       "decode attention)")
+    enable_deterministic_inference: bool = option(False, "batch-invariant kernels: a position's logits depend on "
+                                                  "its tokens only, not on the batch, cache or chunking")
+    seed: int = option(0, "engine random seed (SGLang's --random-seed); a request without its own seed still "
+                       "draws a random sampling key", "--random-seed")
+    context_length: Optional[int] = option(None, "most tokens (prompt + output) of a request (default: the "
+                                           "model's max_position_embeddings)", "--max-model-len")
+    kv_cache_memory: str = option("2GiB", "KV pool size: bytes (2GiB, 512MB) or a fraction of the available RAM "
+                                  "(0.2, at most 0.9); sets the KV capacity in tokens")
+    page_size: int = option(1, "tokens per KV page (radix cache matches whole pages)", "--block-size")
+    max_running_requests: int = option(256, "most requests in the running batch", "--max-num-seqs")
+    max_prefill_tokens: int = option(8192, "token budget of one step: prefill chunks + decode tokens",
+                                     "--max-num-batched-tokens")
+    chunked_prefill_size: int = option(2048, "a long prompt is prefilled in chunks of at most this many tokens; "
+                                       "<= 0: off")
+    max_queued_requests: int = option(4096, "most requests waiting for the running batch; the server answers 503 "
+                                      "beyond running + queued")
+    schedule_policy: str = option("lpm", "fcfs | lpm | dfs-weight (see idleless.engine.policy)")
+    schedule_fallback_threshold: int = option(128, "lpm / dfs-weight fall back to fcfs above this many waiting "
+                                              "requests")
+    max_queue_delay: float = option(30.0, "seconds; a request waiting longer goes before cache-ordered ones")
+    disable_radix_cache: bool = option(False, "no prefix cache: every prompt is computed in full")
+    radix_eviction_policy: str = option("lru", "lru | gdsf (value-aware: hits x recompute cost / size)")
+    max_pinned_tokens: Optional[int] = option(None, "cap on pinned prefix tokens (default: a quarter of the KV pool)")
+    num_threads: int = option(0, "torch intra-op threads; 0 = all cores offline, all but one for `idleless serve`")
+    trace_file: Optional[str] = option(None, "append one JSON line per engine step to this file (step kind, batch, "
+                                       "tokens, cache hits, time buckets)")
+    log_level: str = option("info", "debug | info | warning | error")
+    served_model_name: Optional[str] = option(None, "comma-separated names accepted in a request's `model` (the "
+                                              "first is reported; default: the model's file or directory name)")
     # speculative decoding (idleless.spec); SGLang's flag names
-    speculative_algorithm: Optional[str] = None  # ngram | draft (SGLang's NGRAM / STANDALONE); None: off
-    speculative_num_draft_tokens: int = 6  # most draft tokens per request per step
-    speculative_draft_model_path: Optional[str] = None  # the draft model of `draft` (same tokenizer)
-    speculative_draft_kv_cache_memory: str = "512MiB"  # the draft model's own KV pool
-    speculative_ngram_min_match_window_size: int = 1  # ngram: shortest suffix matched, tokens
-    speculative_ngram_max_match_window_size: int = 12  # ngram: longest suffix matched, tokens
-    speculative_disable_adaptive: bool = False  # fixed draft length, never switched off by the cost model
+    speculative_algorithm: Optional[str] = option(None, "speculative decoding: ngram | draft (SGLang's NGRAM / "
+                                                  "STANDALONE); off when not given")
+    speculative_num_draft_tokens: int = option(6, "most draft tokens per request per step")
+    speculative_draft_model_path: Optional[str] = option(None, "the draft model of `draft` (same tokenizer as the "
+                                                         "target model)")
+    speculative_draft_kv_cache_memory: str = option("512MiB", "the draft model's own KV pool")
+    speculative_ngram_min_match_window_size: int = option(1, "ngram: shortest suffix matched, tokens")
+    speculative_ngram_max_match_window_size: int = option(12, "ngram: longest suffix matched, tokens")
+    speculative_disable_adaptive: bool = option(False, "fixed draft length, never switched off by the cost model")
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -134,20 +156,56 @@ class EngineConfig:
         return self.num_threads or (os.cpu_count() or 1)
 
 
+def ram_fraction(value: str) -> str:
+    """argparse type of ``--mem-fraction-static`` / ``--gpu-memory-utilization``: a fraction in
+    (0, MAX_RAM_FRACTION], returned as the ``kv_cache_memory`` string that means that fraction of the
+    available RAM. Raises argparse.ArgumentTypeError otherwise (bytes go to ``--kv-cache-memory``)."""
+    try:
+        v = float(value)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v <= MAX_RAM_FRACTION:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a fraction in (0, {MAX_RAM_FRACTION:g}]; give a KV "
+                                         "pool size in bytes with --kv-cache-memory (e.g. 4GiB)")
+    return repr(v)
+
+
+def tensor_parallel_size(value: str) -> int:
+    """argparse type of ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp``: only 1 is accepted until
+    tensor parallelism is built. Raises argparse.ArgumentTypeError for anything else."""
+    if value.strip() != "1":
+        raise argparse.ArgumentTypeError(f"tensor parallelism is not built yet: only 1 is accepted, got {value!r}")
+    return 1
+
+
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--kebab-case`` flag per EngineConfig field (booleans become store_true flags)."""
+    """Add one ``--kebab-case`` flag per EngineConfig field (booleans become store_true flags), with
+    its help and its SGLang / vLLM names from the field's metadata (``option``), plus
+    ``--mem-fraction-static`` / ``--gpu-memory-utilization`` (a fraction for ``kv_cache_memory``)
+    and ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp`` (1 only). Fields in ``skip`` get no flag."""
     hints = get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
+        help = f.metadata.get("help", "") + ("" if default is None or default is False else f" (default: {default})")
         typ = hints[f.name]
         if typ is bool:
-            parser.add_argument(flag, action="store_true", default=default)
+            parser.add_argument(*flags, action="store_true", default=default, dest=f.name, help=help)
         else:
             base = int if typ in (int, Optional[int]) else float if typ in (float, Optional[float]) else str
-            parser.add_argument(flag, type=base, default=default, dest=f.name)
+            parser.add_argument(*flags, type=base, default=default, dest=f.name, help=help)
+    if "kv_cache_memory" not in skip:
+        parser.add_argument("--mem-fraction-static", "--gpu-memory-utilization", type=ram_fraction,
+                            dest="kv_cache_memory", default=argparse.SUPPRESS, metavar="FRACTION",
+                            help="SGLang's and vLLM's memory fraction, mapped onto --kv-cache-memory FRACTION: there "
+                                 "it is the share of accelerator memory for weights + KV cache, here the KV pool "
+                                 "takes that share of the RAM still available after the weights are loaded "
+                                 f"(at most {MAX_RAM_FRACTION:g})")
+    parser.add_argument("--tensor-parallel-size", "--tp-size", "-tp", type=tensor_parallel_size, default=1,
+                        dest="tensor_parallel_size", metavar="N",
+                        help="tensor-parallel ranks; only 1 until tensor parallelism is built (default: 1)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

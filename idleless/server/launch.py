@@ -36,7 +36,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags (one per EngineConfig field: --model, --dtype, --kv-cache-memory,
     --max-running-requests, --max-prefill-tokens, --schedule-policy, --disable-radix-cache,
-    --max-queued-requests, --served-model-name, --log-level, ...) plus the server's own."""
+    --max-queued-requests, --served-model-name, --log-level, ..., with their SGLang / vLLM names)
+    plus the server's own (SGLang's --enable-metrics is accepted: the metrics are always on)."""
     add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
@@ -44,8 +45,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: $IDLELESS_API_KEY, else open)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0,
-                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+                        help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--enable-metrics", action="store_true",
+                        help="accepted for SGLang's flag: GET /metrics is always on (idleless: and vllm: names)")
 
 
 def served_model_names(config: EngineConfig) -> list[str]:
