@@ -20,6 +20,20 @@ Engine-core state (read from the core when /metrics is scraped):
   idleless:evicted_tokens_total, idleless:pinned_tokens, idleless:cache_hit_rate_window,
   idleless:queue_time_seconds_total
   idleless:engine_healthy (1 when the core answered the scrape's stats call)
+
+The same figures also under vLLM's names (what Grafana dashboards and the Kubernetes Gateway API
+Inference Extension scrape), each with the ``model_name`` label; they are renamed views of the series
+above, not a second count (``_VllmNames``):
+  vllm:num_requests_running, vllm:num_requests_waiting     gauges (the core's running batch / queue)
+  vllm:kv_cache_usage_perc      0..1, KV slots held by requests or pins: the radix cache's evictable
+                                tokens count as free, as vLLM's free-block queue holds its cached blocks
+  vllm:num_preemptions_total    = idleless:num_retractions_total
+  vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   prompt tokens looked up in / served
+                                by the radix cache (= idleless:prompt_tokens_total / cache_hit_tokens_total)
+  vllm:prompt_tokens_total, vllm:generation_tokens_total          (counted when a request finishes)
+  vllm:request_success_total{finished_reason=stop|length|abort}  = idleless:num_requests_total
+  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+  vllm:e2e_request_latency_seconds                                the histograms above, same buckets
 """
 
 from __future__ import annotations
@@ -29,8 +43,9 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "kv_cache_usage", "kv_used_tokens"]
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -99,6 +114,75 @@ class _CoreCollector:
                         t.get("busy_fraction", 0.0))
 
 
+def kv_used_tokens(kv: dict) -> int:
+    """KV slots that cannot be reused without preempting, as vLLM and SGLang count them, from the
+    core's ``kv`` report (tokens: ``total``, ``free`` and, when the report has it, ``evictable``: the
+    radix cache's unlocked tokens, which count as free): total - free - evictable."""
+    total = kv.get("total", 0)
+    return total - kv.get("free", total) - kv.get("evictable", 0)
+
+
+def kv_cache_usage(kv: dict) -> float:
+    """``kv_used_tokens(kv) / total``, in [0, 1]; 0 for an empty pool (vllm:kv_cache_usage_perc,
+    SGLang's token_usage)."""
+    total = kv.get("total", 0)
+    return kv_used_tokens(kv) / total if total else 0.0
+
+
+def _renamed(family: Metric, name: str, doc: str, label_names: Optional[dict[str, str]] = None) -> Metric:
+    """``family`` (a collected Counter/Gauge/Histogram) under another name, its labels renamed by
+    ``label_names``; the samples (values, buckets, ``_created``) are the same."""
+    out = Metric(name, doc, family.type)
+    names = label_names or {}
+    for smp in family.samples:
+        out.samples.append(smp._replace(name=name + smp.name[len(family.name):],
+                                        labels={names.get(k, k): v for k, v in smp.labels.items()}))
+    return out
+
+
+class _VllmNames:
+    """The vllm: series (module docstring): renamed views of ServerMetrics' frontend metrics and of
+    the core collector's last snapshot, computed at scrape time."""
+
+    # (ServerMetrics attribute, vLLM name, vLLM's help text, label renames)
+    FRONTEND = (
+        ("requests", "vllm:request_success", "Count of finished requests, by finish reason.",
+         {"finish_reason": "finished_reason"}),
+        ("prompt_tokens", "vllm:prompt_tokens", "Number of prompt tokens of finished requests.", None),
+        ("generation_tokens", "vllm:generation_tokens", "Number of generated tokens of finished requests.", None),
+        ("prompt_tokens", "vllm:prefix_cache_queries", "Prefix cache queries, in queried prompt tokens.", None),
+        ("cache_hit_tokens", "vllm:prefix_cache_hits", "Prefix cache hits, in cached prompt tokens.", None),
+        ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", None),
+        ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", None),
+        ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", None),
+    )
+
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        for attr, name, doc, labels in self.FRONTEND:
+            for family in getattr(m, attr).collect():
+                yield _renamed(family, name, doc, labels)
+        s = m.core.stats
+        if not s:
+            return
+        names, values = list(m.core.labels), list(m.core.labels.values())
+        for cls, name, doc, value in (
+                (GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in the running batch.",
+                 s.get("num_running", 0)),
+                (GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 s.get("num_waiting", 0)),
+                (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 kv_cache_usage(s.get("kv", {}))),
+                (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions (retractions).",
+                 s.get("num_retractions", 0))):
+            family = cls(name, doc, labels=names)
+            family.add_metric(values, float(value))
+            yield family
+
+
 class ServerMetrics:
     """All server metrics in a private CollectorRegistry (several servers may share a process).
 
@@ -130,10 +214,13 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.core = _CoreCollector({"model_name": model_name})
         r.register(self.core)
+        r.register(_VllmNames(self))
         for reason in ("stop", "length", "abort"):
             self.requests.labels(model_name, reason)
         for reason in ("bad_request", "overloaded", "unauthorized"):
             self.rejected.labels(model_name, reason)
+        for m in (self.prompt_tokens, self.generation_tokens, self.cache_hit_tokens, self.ttft, self.itl, self.e2e):
+            m.labels(model_name)  # exported at 0 from the start, so a scrape before any request has the series
         self.inflight.labels(model_name).set(0)
 
     def observe_ttft(self, seconds: float) -> None:
