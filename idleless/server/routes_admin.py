@@ -1,7 +1,14 @@
 """Admin routes: GET /health, GET /metrics, GET /server_info, POST /flush_cache, POST /pin_prefix,
-POST /unpin_prefix. All but /health sit behind ``--api-key`` like every other route."""
+POST /unpin_prefix, and SGLang's GET /v1/loads, GET /get_model_info (also /model_info) and
+GET /get_server_info in SGLang's shapes. All but /health sit behind ``--api-key`` like every other
+route."""
 
 from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from datetime import datetime, timezone
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -11,12 +18,67 @@ from idleless.engine.request import RequestError
 from idleless.server.context import ServerContext, engine_unavailable
 from idleless.server.engine_client import CallRefused, EngineDeadError
 from idleless.server.protocol import APIError, PinPrefixRequest, UnpinPrefixRequest, error_body, parse_request
-from idleless.telemetry.metrics import CONTENT_TYPE_LATEST
+from idleless.telemetry.metrics import CONTENT_TYPE_LATEST, kv_cache_usage, kv_used_tokens
+
+
+class TokenRate:
+    """Tokens per second between successive reads of a running total (SGLang's ``gen_throughput``:
+    the engine's generated tokens since the previous /v1/loads answer, the first since start-up)."""
+
+    def __init__(self):
+        self.at, self.total = time.monotonic(), 0
+
+    def read(self, total: int) -> float:
+        now = time.monotonic()
+        rate = (total - self.total) / (now - self.at) if now > self.at else 0.0
+        self.at, self.total = now, total
+        return rate
+
+
+def sglang_load(stats: dict, max_running_requests: int, gen_throughput: float) -> dict:
+    """One engine's entry of SGLang's /v1/loads ``loads`` list from ``EngineCore.stats()``: running and
+    waiting requests, KV tokens in use (``kv_used_tokens``: the radix cache's evictable tokens count as
+    free) out of ``max_total_num_tokens``, ``token_usage`` = their ratio, ``gen_throughput`` (tokens/s),
+    ``cache_hit_rate`` over the last admitted requests (the engine's window). SGLang's
+    ``num_total_tokens`` (used + waiting prompt tokens) and ``utilization`` are left out: the engine
+    does not report the waiting queue's tokens."""
+    kv = stats["kv"]
+    running, waiting = stats["num_running"], stats["num_waiting"]
+    return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting, "num_used_tokens": kv_used_tokens(kv),
+            "max_total_num_tokens": kv["total"], "token_usage": round(kv_cache_usage(kv), 4),
+            "gen_throughput": round(gen_throughput, 2), "cache_hit_rate": round(stats.get("window_hit_rate", 0.0), 4),
+            "max_running_requests": max_running_requests}
+
+
+def sglang_aggregate(loads: list[dict]) -> dict:
+    """SGLang's /v1/loads ``aggregate`` over the ``loads`` entries (sums; means of the ratios)."""
+    n = len(loads) or 1
+    return {"total_running_reqs": sum(d["num_running_reqs"] for d in loads),
+            "total_waiting_reqs": sum(d["num_waiting_reqs"] for d in loads),
+            "total_reqs": sum(d["num_total_reqs"] for d in loads),
+            "total_used_tokens": sum(d["num_used_tokens"] for d in loads),
+            "avg_token_usage": round(sum(d["token_usage"] for d in loads) / n, 4),
+            "avg_throughput": round(sum(d["gen_throughput"] for d in loads) / n, 2)}
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
     """Add the admin routes to ``app``."""
+    from idleless.model.loader import load_model_config  # torch: the frontend has it loaded by now
+
     client, settings, metrics = ctx.client, ctx.settings, ctx.metrics
+    model_config = load_model_config(client.info.model_dir)
+    gen_rate = TokenRate()
+
+    async def engine_stats() -> dict:
+        """EngineCore.stats() now; APIError 503 when the engine core is gone or does not answer."""
+        try:
+            return await client.call(GetStats(), timeout=5.0)
+        except EngineDeadError as e:
+            raise engine_unavailable(e) from None
+        except asyncio.TimeoutError:
+            raise APIError(503, "the engine core did not answer within 5 s", code="engine_unavailable",
+                           headers={"Retry-After": "5"}) from None
 
     def cache_disabled() -> APIError:
         return APIError(400, "the prefix cache is disabled (--disable-radix-cache): nothing can be pinned",
@@ -105,3 +167,43 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             "max_running_requests": info.max_running_requests, "max_inflight": client.max_inflight,
             "num_inflight": client.num_inflight, "engine_pid": info.pid, "load_seconds": info.load_seconds,
             "system_fingerprint": settings.system_fingerprint, "stats": stats, **settings.extra_info})
+
+    @app.get("/v1/loads")
+    async def loads():
+        """SGLang's load report: ``{"timestamp", "version", "dp_rank_count": 1, "loads": [sglang_load],
+        "aggregate": sglang_aggregate}``; 503 when the engine core does not answer."""
+        stats = await engine_stats()
+        entry = sglang_load(stats, client.info.max_running_requests, gen_rate.read(stats["generation_tokens"]))
+        return JSONResponse({"timestamp": datetime.now(timezone.utc).isoformat(), "version": app.version,
+                             "dp_rank_count": 1, "loads": [entry], "aggregate": sglang_aggregate([entry])})
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        """SGLang's model info: ``model_path``, ``tokenizer_path``, ``is_generation`` (always true),
+        ``preferred_sampling_params`` (none), ``weight_version`` ("default": weights are never
+        updated in place), ``has_image_understanding`` / ``has_audio_understanding`` (false),
+        ``model_type``, ``architectures`` (from the model's config.json)."""
+        return JSONResponse({
+            "model_path": settings.model_path, "tokenizer_path": client.config.tokenizer or settings.model_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": model_config.model_type, "architectures": [model_config.architecture]})
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """SGLang's server info: the server args (every EngineConfig field, also under SGLang's names
+        ``model_path``, ``tokenizer_path``, ``random_seed``, with ``tp_size`` / ``dp_size`` 1, host and
+        port; never the API key), the scheduler info (``max_total_num_tokens``, ``max_req_input_len``),
+        ``internal_states`` (the engine's stats, one entry per engine; empty when it does not answer)
+        and ``version``."""
+        try:
+            states = [await engine_stats()]
+        except APIError:
+            states = []
+        cfg = client.config
+        return JSONResponse({
+            **dataclasses.asdict(cfg), "model_path": settings.model_path,
+            "tokenizer_path": cfg.tokenizer or settings.model_path, "random_seed": cfg.seed, "tp_size": 1,
+            "dp_size": 1, **settings.extra_info, "max_total_num_tokens": client.info.kv_slots,
+            "max_req_input_len": client.limit_tokens, "internal_states": states, "version": app.version})
