@@ -38,10 +38,10 @@ class TokenRate:
 def sglang_load(stats: dict, max_running_requests: int, gen_throughput: float) -> dict:
     """One engine's entry of SGLang's /v1/loads ``loads`` list from ``EngineCore.stats()``: running and
     waiting requests, KV tokens in use (``kv_used_tokens``: the radix cache's evictable tokens count as
-    free) out of ``max_total_num_tokens``, ``token_usage`` = their ratio, ``gen_throughput`` (tokens/s),
-    ``cache_hit_rate`` over the last admitted requests (the engine's window). SGLang's
-    ``num_total_tokens`` (used + waiting prompt tokens) and ``utilization`` are left out: the engine
-    does not report the waiting queue's tokens."""
+    free once the core reports them) out of ``max_total_num_tokens``, ``token_usage`` = their ratio,
+    ``gen_throughput`` (tokens/s), ``cache_hit_rate`` over the last admitted requests (the engine's
+    window). SGLang's ``num_total_tokens`` (used + waiting prompt tokens) and ``utilization`` are left
+    out: the engine does not report the waiting queue's tokens."""
     kv = stats["kv"]
     running, waiting = stats["num_running"], stats["num_waiting"]
     return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": running, "num_waiting_reqs": waiting,

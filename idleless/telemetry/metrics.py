@@ -25,8 +25,9 @@ The same figures also under vLLM's names (what Grafana dashboards and the Kubern
 Inference Extension scrape), each with the ``model_name`` label; they are renamed views of the series
 above, not a second count (``_VllmNames``):
   vllm:num_requests_running, vllm:num_requests_waiting     gauges (the core's running batch / queue)
-  vllm:kv_cache_usage_perc      0..1, KV slots held by requests or pins: the radix cache's evictable
-                                tokens count as free, as vLLM's free-block queue holds its cached blocks
+  vllm:kv_cache_usage_perc      0..1, ``kv_cache_usage``: KV slots not free, less the radix cache's
+                                evictable tokens when the core's report has them (vLLM's free-block
+                                queue holds its cached blocks, so they count as free there)
   vllm:num_preemptions_total    = idleless:num_retractions_total
   vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   prompt tokens looked up in / served
                                 by the radix cache (= idleless:prompt_tokens_total / cache_hit_tokens_total)
