@@ -174,8 +174,8 @@ def _mixed_batch(pool, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.skipif(cpu_kernels.load(torch.float32) is None, reason="no C compiler for the CPU kernels")
 def test_composite_split_matches_the_torch_native_reference(dtype):
-    """The composite with the CPU kernels splits a mixed batch: one-token tails to the decode kernel, the
-    other tails and the shared segments to padded flash (or all of them to the AMX ragged kernel), the
+    """The composite with the CPU kernels splits a mixed batch: tails of up to ``decode_max_new`` new tokens
+    to the decode kernel (one decode row per new token), the other tails and the shared segments to padded flash (or all of them to the AMX ragged kernel), the
     segments' backend last; its output agrees with the torch-native reference (padded flash alone) and
     both with a float64 softmax per request. A row attended twice, a segment not merged or a tail routed
     to two backends moves outputs by O(1)."""
@@ -198,7 +198,9 @@ def test_composite_split_matches_the_torch_native_reference(dtype):
     assert isinstance(comp.segment_backend, RaggedAmxAttention if ragged else PaddedFlashAttention)
     decode_plan = next(p for b, p in meta.parts if b is comp.decode_backend)
     (dg,) = decode_plan.tails
-    assert set(dg.rows.tolist()) == set().union(*(rows_of[n] for n in names if ext[names.index(n)] == 1))
+    short = [n for n in names if ext[names.index(n)] <= comp.decode_max_new]  # one row per new token
+    assert set(dg.rows.tolist()) == set().union(*(rows_of[n] for n in short)) and len(dg.rows) == sum(
+        ext[names.index(n)] for n in short)
     assert meta.segments and not meta.alone and meta.merged
     assert [type(b) for b, _ in ref_meta.parts] == [PaddedFlashAttention] and ref_meta.segments
 
@@ -228,8 +230,8 @@ def test_composite_alone_and_window_routes(kernels):
     g = torch.Generator().manual_seed(5)
     pool = KVPool(1, Hkv, D, 256, torch.float32)
     comp = CompositeAttention(pool, H, Hkv, D, sliding_window=W, kernels=kern)
-    prefill = pool.alloc(0, 0, 6)
-    meta = comp.prepare([6], [0], [prefill])
+    prefill = pool.alloc(0, 0, 20)  # longer than the decode kernel's tails (and the window)
+    meta = comp.prepare([20], [0], [prefill])
     assert meta.alone and meta.parts[0][0] is comp.flash
     decodes = [pool.alloc(0, 0, 5), pool.alloc(0, 0, 3)]
     meta = comp.prepare([1, 1], [4, 2], decodes)

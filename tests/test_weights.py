@@ -19,7 +19,7 @@ from test_model import MixedBatchDriver
 
 from idleless.config import EngineConfig
 from idleless.model import cpu_kernels
-from idleless.model.linear import Linear, OneDnnLinearMethod, PlainLinearMethod
+from idleless.model.linear import PLAIN, Linear, OneDnnLinearMethod, PlainLinearMethod
 from idleless.model import runner as runner_module
 from idleless.model.runner import ModelRunner
 
@@ -89,13 +89,19 @@ def test_weight_update_by_name_equals_a_fresh_load(tmp_path, monkeypatch, reques
 
 
 def test_the_linear_method_follows_the_config(tmp_path):
-    """Chosen once at load from dtype, flags and CPU: float32 and disable_weight_prepack give plain
-    F.linear; bfloat16 gives oneDNN packing where the CPU supports it."""
-    from idleless.model.linear import can_prepack
+    """Chosen once at load from dtype, flags and CPU: float32 gives bi_linear for small batches over plain
+    F.linear (with the C kernels; plain without), disable_weight_prepack plain F.linear; bfloat16 gives
+    oneDNN packing where the CPU supports it."""
+    from idleless.model.linear import SmallBatchLinearMethod, can_prepack
 
     path = make_tiny_model(tmp_path)
     f32 = _runner(path, "float32")
-    assert isinstance(f32.linear_method, PlainLinearMethod) and f32.prepacked_bytes == 0
+    if f32.kernels is not None:
+        assert isinstance(f32.linear_method, SmallBatchLinearMethod) and f32.linear_method.base is PLAIN
+        params = sum(m.weight.numel() for m in f32.model.modules() if isinstance(m, Linear))
+        assert f32.prepacked_bytes >= 4 * params  # the packed copies (panels padded to 16 columns)
+    else:
+        assert isinstance(f32.linear_method, PlainLinearMethod) and f32.prepacked_bytes == 0
     plain = ModelRunner(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="2MiB", num_threads=TEST_THREADS,
                                      disable_weight_prepack=True))
     assert isinstance(plain.linear_method, PlainLinearMethod)

@@ -74,12 +74,12 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------------
 def _time_split(before: dict, after: dict) -> dict:
     """Engine wall-time buckets between two ``stats()['time']`` snapshots: seconds, fractions of
-    the wall time, and the busy fraction (forward / (wall - idle_no_work))."""
+    the wall time, and the busy fraction ((forward + verify) / (wall - idle_no_work))."""
     d = {k: after[k] - before[k] for k in after if k in before and k != "busy_fraction"}
     wall = d.get("wall", 0.0)
     work = wall - d.get("idle_no_work", 0.0)
     return {"seconds": d, "fractions": {k: v / wall for k, v in d.items() if k != "wall"} if wall > 0 else {},
-            "busy_fraction": d.get("forward", 0.0) / work if work > 0 else None}
+            "busy_fraction": (d.get("forward", 0.0) + d.get("verify", 0.0)) / work if work > 0 else None}
 
 
 def run_idleless(engine, items, wl, cost, peak_gflops) -> tuple[dict, list[list[int]]]:

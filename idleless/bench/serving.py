@@ -70,7 +70,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-BUCKETS = ("forward", "schedule", "io", "idle_no_work", "other")
+from idleless.telemetry.timing import BUCKETS  # the engine's wall-time buckets
+
 GENERATED = ("shared-prefix", "multi-turn", "random")
 
 

@@ -21,6 +21,9 @@ deterministic inference, where a row's result must not depend on the other rows 
 library picks another kernel, hence another summation order, for another number of rows):
 ``InvariantLinearMethod`` (``cpu_kernels.bi_linear``: one float32 FMA chain per output element, any
 number of rows) and, without the kernels, ``TiledLinearMethod`` (``F.linear`` on fixed 16-row tiles).
+``SmallBatchLinearMethod`` (float32 with the kernels): ``bi_linear`` for batches of up to
+``SMALL_BATCH_ROWS`` rows, where the GEMM library's small-M kernels read the weight less efficiently
+(a 2- to 8-row speculative verify would otherwise cost two decode steps), the library above.
 A quantized weight format is a new method, not a branch in these.
 """
 
@@ -169,6 +172,28 @@ class InvariantLinearMethod(LinearMethod):
         return self.kernels.bi_linear(x, layer.bi, layer.weight.shape[0], layer.bias)
 
 
+class SmallBatchLinearMethod(LinearMethod):
+    """``cpu_kernels.bi_linear`` on a panel-packed copy of the weight (``layer.bi``, the same bytes
+    again) for batches of 1 to ``max_rows`` rows, ``base`` (the method it wraps) above. Chosen for
+    float32, where the measured small-batch products were faster this way (benchmarks/README.md,
+    issue 13). kernels: a CpuKernels of the model dtype."""
+
+    def __init__(self, base: LinearMethod, kernels, max_rows: int = 32):
+        self.base = base
+        self.kernels = kernels
+        self.max_rows = max_rows
+
+    def process_after_load(self, layer: "Linear") -> int:
+        extra = self.base.process_after_load(layer)
+        layer.bi = self.kernels.bi_pack_weight(layer.weight.detach())
+        return extra + layer.bi.numel() * layer.bi.element_size()
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self.max_rows:
+            return self.kernels.bi_linear(x, layer.bi, layer.weight.shape[0], layer.bias)
+        return self.base.apply(layer, x)
+
+
 class TiledLinearMethod(LinearMethod):
     """Batch invariance without our kernels: ``F.linear`` on tiles of exactly ``TILE`` rows (the last
     one zero-padded), so the GEMM library sees one shape and runs one kernel whatever the batch. This
@@ -193,14 +218,19 @@ PLAIN = PlainLinearMethod()
 def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack: bool, kernels,
                          deterministic: bool = False) -> LinearMethod:
     """The linear method for a model, chosen once at load: AMX tiles (with oneDNN for large batches)
-    where the CPU kernels have them, else oneDNN-packed where ``can_prepack``, else plain ``F.linear``;
-    plain whenever ``disable_weight_prepack``. deterministic: a batch-invariant method (the kernels'
+    where the CPU kernels have them, else oneDNN-packed where ``can_prepack``, else, in float32 with
+    the kernels, ``SmallBatchLinearMethod`` over ``F.linear``, else plain ``F.linear``; plain whenever
+    ``disable_weight_prepack``. deterministic: a batch-invariant method (the kernels'
     ``InvariantLinearMethod``, else ``TiledLinearMethod``). kernels: the model dtype's CpuKernels or None."""
+    ours = kernels is not None and kernels.dtype == dtype
     if deterministic:
-        return InvariantLinearMethod(kernels) if kernels is not None and kernels.dtype == dtype else TiledLinearMethod()
-    if disable_weight_prepack or not can_prepack(dtype, device):
+        return InvariantLinearMethod(kernels) if ours else TiledLinearMethod()
+    if disable_weight_prepack:
         return PLAIN
-    if kernels is not None and kernels.dtype == dtype and kernels.has_amx:
+    if not can_prepack(dtype, device):
+        return SmallBatchLinearMethod(PLAIN, kernels) if ours and dtype == torch.float32 and device == "cpu" \
+            else PLAIN
+    if ours and kernels.has_amx:
         return AmxLinearMethod(kernels)
     return OneDnnLinearMethod()
 

@@ -8,7 +8,7 @@ and shared segments, and routes each part to the kernel family that runs it best
   causal) is attended separately, and the partial results are merged with their log-sum-exp. This is
   the shared-prefix decomposition of Hydragen (Juravsky et al., arXiv 2402.05099) and FlashInfer's
   cascade inference (Ye et al., arXiv 2501.01005).
-* **Routing**, fixed at construction from the kernels available: tails of one new token (decode rows)
+* **Routing**, fixed at construction from the kernels available: tails of up to 16 new tokens (decode rows)
   to the fused decode kernel (``decode.FusedDecodeAttention``), else padded flash; tails of several
   new tokens and the segments to the AMX ragged kernel (``ragged.RaggedAmxAttention``: bfloat16 on
   CPUs with AMX tiles), else padded flash (``flash.PaddedFlashAttention``). A batch in which a sliding
@@ -121,8 +121,8 @@ class CompositeAttention:
     decomposition; each part in its kernel family (module docstring). Tensors: q [T, H, D], k/v
     [T, Hkv, D]. kernels: a cpu_kernels.CpuKernels (used when of the pool's dtype) or None.
 
-    Routing attributes (backends): ``decode_backend`` (tails of one new token), ``extend_backend``
-    (tails of several), ``segment_backend``; ``flash`` takes everything under a sliding window.
+    Routing attributes (backends): ``decode_backend`` (tails of up to ``decode_max_new`` new tokens),
+    ``extend_backend`` (longer tails), ``segment_backend``; ``flash`` takes everything under a sliding window.
     ``use_segments`` False attends shared prefixes inside each tail.
 
     deterministic: every part goes to the batch-invariant backend (``invariant.ChunkedAttention``, or
@@ -143,6 +143,7 @@ class CompositeAttention:
         ragged = (RaggedAmxAttention(pool, kern, num_kv_heads, head_dim)
                   if RaggedAmxAttention.supports(kern, head_dim) else None)
         self.decode_backend: AttentionBackend = decode or self.flash
+        self.decode_max_new = decode.max_new if decode is not None else 1  # longest tail sent to decode_backend
         self.extend_backend: AttentionBackend = ragged or self.flash
         self.segment_backend: AttentionBackend = ragged or self.flash
         self.segment_align = 1
@@ -182,7 +183,7 @@ class CompositeAttention:
         by_backend: dict[AttentionBackend, list[int]] = {}
         for i, e in enumerate(extend_lens):
             if e:
-                by_backend.setdefault(dec if e == 1 else ext, []).append(i)
+                by_backend.setdefault(dec if e <= self.decode_max_new else ext, []).append(i)
         order = [b for b in by_backend if b is not seg] + [seg]  # the segments' backend merges last
         parts = []
         for b in order:
