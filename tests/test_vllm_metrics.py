@@ -189,3 +189,27 @@ def test_vllm_names_move_as_a_request_runs(server, http):
             assert value(smp, "vllm:request_success_total", finished_reason=reason) == \
                 value(smp, "idleless:num_requests_total", finish_reason=reason)
     assert all(dict(labels).get("model_name") == MODEL for name, labels in after if name.startswith("vllm:"))
+
+
+def test_speculative_counters_under_both_names_hand_computed():
+    """With speculative decoding the core's ``speculative`` stats appear as idleless:spec_* and vLLM's
+    vllm:spec_decode_* counters, the same values; without it (empty stats) neither appears."""
+    m = ServerMetrics("tiny")
+    spec = {"algorithm": "ngram", "num_drafts": 7, "num_draft_tokens": 30, "num_accepted_tokens": 12,
+            "num_steps_on": 5, "num_steps_off": 2, "acceptance_rate": 0.4, "mean_accepted_length": 19 / 7}
+    m.update_core({"kv": {"total": 10, "free": 10}, "speculative": spec}, True)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+
+    def value(name):
+        return fams[name].samples[0].value
+
+    assert value("idleless:spec_num_draft_tokens") == 30 == value("vllm:spec_decode_num_draft_tokens")
+    assert value("idleless:spec_num_accepted_tokens") == 12 == value("vllm:spec_decode_num_accepted_tokens")
+    assert value("idleless:spec_num_drafts") == 7 == value("vllm:spec_decode_num_drafts")
+    assert value("idleless:spec_steps_off") == 2 and value("idleless:spec_steps_on") == 5
+    assert value("idleless:spec_acceptance_rate") == pytest.approx(0.4)
+    assert value("idleless:spec_mean_accepted_length") == pytest.approx(19 / 7)
+    assert fams["vllm:spec_decode_num_drafts"].samples[0].labels == {"model_name": "tiny"}
+    plain = ServerMetrics("tiny")
+    plain.update_core({"kv": {"total": 10, "free": 10}, "speculative": {}}, True)
+    assert "spec" not in plain.render().decode()

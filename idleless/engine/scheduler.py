@@ -444,6 +444,8 @@ class Scheduler:
         return st
 
     def kv_usage(self) -> dict:
-        """Slot ownership in tokens: free + cached (tree) + in_use (requests' own) == total."""
+        """Slot ownership in tokens: free + cached (tree) + in_use (requests' own) == total; and
+        ``evictable``: the cached tokens no request holds (reusable without preempting anyone)."""
         return {"total": self.pool.num_slots, "free": self.pool.num_free_slots,
-                "cached": self.cache.total_size, "in_use": sum(self.kv.own_tokens(r) for r in self.running)}
+                "cached": self.cache.total_size, "in_use": sum(self.kv.own_tokens(r) for r in self.running),
+                "evictable": self.cache.evictable_size}

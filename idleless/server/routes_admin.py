@@ -166,7 +166,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             "context_length": info.context_length, "kv_slots": info.kv_slots, "vocab_size": info.vocab_size,
             "max_running_requests": info.max_running_requests, "max_inflight": client.max_inflight,
             "num_inflight": client.num_inflight, "engine_pid": info.pid, "load_seconds": info.load_seconds,
-            "system_fingerprint": settings.system_fingerprint, "stats": stats, **settings.extra_info})
+            "system_fingerprint": settings.system_fingerprint, "stats": stats,
+            "speculative_algorithm": ((stats or {}).get("speculative") or {}).get("algorithm"),
+            **settings.extra_info})
 
     @app.get("/v1/loads")
     async def loads():

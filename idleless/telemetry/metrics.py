@@ -16,7 +16,11 @@ Engine-core state (read from the core when /metrics is scraped):
   idleless:kv_tokens{state=total|free|cached|in_use}
   idleless:cache_hit_rate (engine: cached / prompt tokens of finished requests)
   idleless:num_retractions_total, idleless:engine_steps_total
-  idleless:engine_time_seconds_total{bucket=forward|schedule|io|idle_no_work|other}, idleless:busy_fraction
+  idleless:engine_time_seconds_total{bucket=forward|verify|draft|schedule|io|idle_no_work|other},
+  idleless:busy_fraction
+  with speculative decoding: idleless:spec_num_drafts_total, idleless:spec_num_draft_tokens_total,
+  idleless:spec_num_accepted_tokens_total, idleless:spec_steps_off_total, idleless:spec_steps_on_total,
+  idleless:spec_acceptance_rate, idleless:spec_mean_accepted_length
   idleless:evicted_tokens_total, idleless:pinned_tokens, idleless:cache_hit_rate_window,
   idleless:queue_time_seconds_total
   idleless:engine_healthy (1 when the core answered the scrape's stats call)
@@ -35,6 +39,8 @@ above, not a second count (``_VllmNames``):
   vllm:request_success_total{finished_reason=stop|length|abort}  = idleless:num_requests_total
   vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
   vllm:e2e_request_latency_seconds                                the histograms above, same buckets
+  vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+  vllm:spec_decode_num_accepted_tokens_total                      with speculative decoding
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
+
+from idleless.telemetry.timing import BUCKETS
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST", "kv_cache_usage", "kv_used_tokens"]
 
@@ -108,11 +116,31 @@ class _CoreCollector:
             eb = CounterMetricFamily("idleless:engine_time_seconds",
                                      "engine-core wall time by exclusive bucket (sums to the wall time)",
                                      labels=names + ["bucket"])
-            for b in ("forward", "schedule", "io", "idle_no_work", "other"):
+            for b in BUCKETS:
                 eb.add_metric(values + [b], float(t.get(b, 0.0)))
             yield eb
-            yield gauge("idleless:busy_fraction", "forward / (wall - idle_no_work) since start",
+            yield gauge("idleless:busy_fraction", "(forward + verify) / (wall - idle_no_work) since start",
                         t.get("busy_fraction", 0.0))
+        spec = s.get("speculative") or {}
+        if spec:
+            for name, doc, key in SPEC_COUNTERS:
+                yield counter(name, doc, spec.get(key, 0))
+            yield gauge("idleless:spec_acceptance_rate", "accepted / proposed draft tokens since start",
+                        spec.get("acceptance_rate", 0.0))
+            yield gauge("idleless:spec_mean_accepted_length",
+                        "tokens per verify (accepted draft tokens + the target's own) since start",
+                        spec.get("mean_accepted_length", 0.0))
+
+
+# (metric name, help, key of EngineCore.stats()["speculative"]); vLLM's names in _VllmNames.SPEC
+SPEC_COUNTERS = (
+    ("idleless:spec_num_drafts", "verifies of draft tokens (one per request per step with drafts)", "num_drafts"),
+    ("idleless:spec_num_draft_tokens", "draft tokens proposed and verified", "num_draft_tokens"),
+    ("idleless:spec_num_accepted_tokens", "draft tokens accepted", "num_accepted_tokens"),
+    ("idleless:spec_steps_off", "steps whose decoding requests got no drafts (the cost model said no)",
+     "num_steps_off"),
+    ("idleless:spec_steps_on", "steps whose decoding requests got drafts", "num_steps_on"),
+)
 
 
 def kv_used_tokens(kv: dict) -> int:
@@ -158,6 +186,13 @@ class _VllmNames:
         ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", None),
     )
 
+    # vLLM's speculative-decoding counters (key of EngineCore.stats()["speculative"])
+    SPEC = (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"),
+    )
+
     def __init__(self, metrics: "ServerMetrics"):
         self.metrics = metrics
 
@@ -178,7 +213,9 @@ class _VllmNames:
                 (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                  kv_cache_usage(s.get("kv", {}))),
                 (CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions (retractions).",
-                 s.get("num_retractions", 0))):
+                 s.get("num_retractions", 0)),
+                *[(CounterMetricFamily, name, doc, (s.get("speculative") or {}).get(key, 0))
+                  for name, doc, key in (self.SPEC if s.get("speculative") else ())]):
             family = cls(name, doc, labels=names)
             family.add_metric(values, float(value))
             yield family
