@@ -15,9 +15,11 @@ request adds ``a**j`` expected tokens. The controller adds guesses in order of t
 the whole batch, while the expected tokens per second of the step (``B + sum of a**j`` over
 ``step time(B + drafts) + draft time``) still rise. Speculation is therefore off for a step exactly
 when no first guess pays for itself: at large batches, where the verify tokens are no longer free
-(the step is compute-bound), or when nothing is being accepted. Requests left without drafts drift
-back toward the batch-wide rate, so they are tried again later; unmeasured step sizes are assumed to
-cost what the largest measured one does (optimistic), so the model measures them before it trusts them.
+(the step is compute-bound), or when nothing is being accepted. Plans use an upper confidence bound
+of the rate (the estimate plus ``OPTIMISM / sqrt(1 + evidence)``), and the evidence of requests left
+without drafts decays, so a request is probed again a while after its guesses stopped paying (the
+exploration of UCB1, Auer et al. 2002); unmeasured step sizes are assumed to cost what the largest
+measured one does (optimistic), so the model measures them before it trusts them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ DECAY = 0.7
 IDLE_DECAY = 0.95
 # Pseudo-counts of the batch-wide acceptance rate in every request's estimate.
 PRIOR_WEIGHT = 2.0
+# Optimism in the planning rate: + OPTIMISM / sqrt(1 + evidence) (an upper confidence bound), so a
+# request whose guesses stopped paying is probed again once its decayed evidence has shrunk.
+OPTIMISM = 0.3
 # Step-cost buckets: samples before a bucket is trusted, and the running-average weight of a new one.
 MIN_SAMPLES = 2
 COST_EMA = 0.2
@@ -131,6 +136,11 @@ class AdaptiveProposer(Proposer):
         acc, rej = self._counts.get(rid, (0.0, 0.0))
         return (acc + PRIOR_WEIGHT * prior) / (acc + rej + PRIOR_WEIGHT)
 
+    def planning_rate(self, rid: str) -> float:
+        """``acceptance(rid)`` plus the optimism bonus ``OPTIMISM / sqrt(1 + evidence)``, at most 1."""
+        acc, rej = self._counts.get(rid, (0.0, 0.0))
+        return min(1.0, self.acceptance(rid) + OPTIMISM / math.sqrt(1.0 + acc + rej))
+
     def draft_lengths(self, rates: Sequence[float], room: Sequence[int]) -> list[int]:
         """Guesses per request that maximise the step's expected tokens per second (module
         docstring). ``rates``: acceptance per request; ``room``: the most each may take. The cost of
@@ -157,7 +167,7 @@ class AdaptiveProposer(Proposer):
         return ks
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
-        ks = self.draft_lengths([self.acceptance(r.rid) for r in requests], max_tokens)
+        ks = self.draft_lengths([self.planning_rate(r.rid) for r in requests], max_tokens)
         if not any(ks):
             self.num_steps_off += 1
             self._drift(requests)
