@@ -47,12 +47,12 @@ def scripted_cost(fn, sizes):
     return c
 
 
-def test_step_cost_interpolates_and_is_flat_outside():
+def test_step_cost_interpolates_scales_below_and_is_flat_above():
     c = scripted_cost(lambda x: 0.1 + 0.01 * x, [1, 8, 64])
     assert c.predict(1) == pytest.approx(0.11)
     assert c.predict(8) == pytest.approx(0.18)
     assert c.predict(36) == pytest.approx(0.18 + (0.74 - 0.18) * 28 / 56)
-    assert c.predict(0.5) == pytest.approx(0.11)  # flat below the smallest measured size
+    assert c.predict(0.5) == pytest.approx(0.055)  # scaled down in proportion below the smallest size
     assert c.predict(1000) == pytest.approx(0.74)  # optimistic (flat) above the largest
     assert StepCost().predict(4) is None
     one = StepCost()
@@ -66,7 +66,8 @@ def brute_force(ctl, rates, caps):
     for ks in itertools.product(*[range(c + 1) for c in caps]):
         m = sum(ks)
         value = B + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
-        ratio = value / (ctl.step_cost.predict(B + m) + ctl.draft_cost.per_unit * m)
+        depth, drafting = max(ks), sum(1 for k in ks if k)
+        ratio = value / (ctl.step_cost.predict(B + m) + depth * (ctl.draft_step_cost.predict(drafting) or 0.0))
         if best is None or ratio > best + 1e-12:
             best, best_ks = ratio, ks
     return best, best_ks
@@ -80,12 +81,20 @@ def test_draft_lengths_are_the_best_ratio(shape, rates):
           "compute_bound": lambda x: 0.01 * x}[shape]
     ctl = AdaptiveProposer(Fixed(), max_draft=4)
     ctl.step_cost = scripted_cost(fn, [1, 2, 3, 4, 6, 8, 12, 16])
-    ctl.draft_cost.add(10, 0.002)  # 0.2 ms per drafted token
+    ctl.draft_step_cost = scripted_cost(lambda x: 0.002 + 0.0005 * x, [1, 2, 3])  # per draft step
     ks = ctl.draft_lengths(list(rates), [4, 4, 4])
     best, ref = brute_force(ctl, rates, [4, 4, 4])
     m = sum(ks)
     value = 3 + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
-    assert value / (ctl.step_cost.predict(3 + m) + ctl.draft_cost.per_unit * m) == pytest.approx(best)
+    depth, drafting = max(ks), sum(1 for k in ks if k)
+    ratio = value / (ctl.step_cost.predict(3 + m) + depth * ctl.draft_step_cost.predict(drafting))
+    assert ratio >= 0.99 * best  # near the optimum when drafting costs per step
+    free = AdaptiveProposer(Fixed(), max_draft=4)  # drafting free (ngram): exactly the optimum
+    free.step_cost = ctl.step_cost
+    ks = free.draft_lengths(list(rates), [4, 4, 4])
+    best_free, _ = brute_force(free, rates, [4, 4, 4])
+    value = 3 + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
+    assert value / free.step_cost.predict(3 + sum(ks)) == pytest.approx(best_free)
     if shape == "compute_bound" or max(rates) == 0.0:
         assert ks == [0, 0, 0]  # extra tokens cost as much as they are worth or more: off
     if shape == "memory_bound" and rates == (0.99, 0.99, 0.7):
@@ -140,3 +149,15 @@ def test_a_request_that_stops_matching_gets_shorter_drafts_then_none():
         ctl.observe(bad, 6, 0)
     ks = ctl.draft_lengths([ctl.acceptance("good"), ctl.acceptance("bad")], [6, 6])
     assert ks[0] == 6 and ks[1] < 2
+
+
+def test_an_unmeasured_draft_costs_its_hint_times_a_target_step():
+    """A draft model as large as the target (cost_hint 1) never pays at acceptance 0.6 on a
+    memory-bound step, before anything about it is measured; a free proposer (hint 0) does."""
+    class Heavy(Fixed):
+        cost_hint = 1.0
+
+    for inner, speculates in ((Heavy(), False), (Fixed(), True)):
+        ctl = AdaptiveProposer(inner, max_draft=4)
+        ctl.step_cost = scripted_cost(lambda x: 0.05 + 1e-4 * x, [1, 2, 4, 8])
+        assert any(ctl.draft_lengths([0.6], [4])) == speculates

@@ -166,3 +166,85 @@ def test_bad_speculative_configuration_is_refused_at_start_up(spec_model):
         EngineConfig(speculative_algorithm="draft")
     with pytest.raises(ValueError, match="context length"):
         _core(spec_model, speculative_algorithm="ngram", speculative_num_draft_tokens=4096)
+
+
+# --------------------------------------------------------------------------------------------------
+# the output distribution: a scripted target with known distributions, drafts from another one
+# --------------------------------------------------------------------------------------------------
+V_SMALL = 5
+TARGET_P = torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05], [0.05, 0.1, 0.2, 0.25, 0.4], [0.2, 0.2, 0.2, 0.2, 0.2],
+                         [0.7, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.1]], dtype=torch.float64)
+DRAFT_Q = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3], dtype=torch.float64)  # far from every row of TARGET_P
+
+
+class DistributionRunner:
+    """Target model: the next token after ``t`` is drawn from TARGET_P[t] by the real sampler (one
+    row per sampled position, the request's seed, temperature 1)."""
+
+    def __init__(self, num_slots=1 << 14):
+        import types
+        self.pool = KVPool(1, 1, 4, num_slots, torch.float32, "cpu", 1)
+        self.model_config = types.SimpleNamespace(vocab_size=V_SMALL, eos_token_ids=[])
+        self.context_length = 64
+
+    def execute(self, plan):
+        from dataclasses import replace
+
+        from idleless.engine.plan import StepResult
+        from idleless.model.sampler import sample
+        logits, rows = [], []
+        for r in plan.requests:
+            for j in range(r.num_sampled):
+                logits.append(TARGET_P[r.token_ids[r.num_known - 1 + j]].log().float())
+                rows.append(replace(r.sampling, output_ids=list(r.sampling.output_ids) + r.proposed[:j]))
+        ids = sample(torch.stack(logits), rows, set()).next_ids if rows else []
+        out, i = [], 0
+        for r in plan.requests:
+            out.append(ids[i:i + r.num_sampled])
+            i += r.num_sampled
+        return StepResult(out, [[None] * len(x) for x in out], [[None] * len(x) for x in out])
+
+
+class RandomDraft(Proposer):
+    """Guesses drawn i.i.d. from DRAFT_Q (its own generator: independent of the target's draws)."""
+
+    name = "random"
+
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(1234)
+
+    def propose(self, requests, max_tokens):
+        return [torch.multinomial(DRAFT_Q, k, replacement=True, generator=self.g).tolist() if k else []
+                for k in max_tokens]
+
+
+def test_output_distribution_is_the_targets_whatever_the_drafts():
+    """3,000 seeded requests of 3 tokens after the prompt [0], with drafts from DRAFT_Q (acceptance
+    well below 1): the joint of the first two tokens matches TARGET_P[0][a] * TARGET_P[a][b] by a
+    chi-square test (p > 0.001), and every request equals its run without speculation (position-keyed draws)."""
+    def run_all(spec: bool):
+        core = EngineCore(EngineConfig(kv_cache_memory="1MiB", max_running_requests=256),
+                          runner=DistributionRunner())
+        if spec:
+            _install(core, AdaptiveProposer(RandomDraft(), 3, adaptive=False))
+        reqs = [Request(f"r{i}", [0], SamplingParams(temperature=1.0, seed=i, max_new_tokens=3))
+                for i in range(3000)]
+        return _drive(core, reqs), core
+
+    on, core = run_all(True)
+    st = core.stats()["speculative"]
+    assert 0.1 < st["acceptance_rate"] < 0.6 and st["num_drafts"] > 1000
+    off, _ = run_all(False)
+    assert all(on[r]["ids"] == off[r]["ids"] for r in on)
+    counts = torch.zeros(V_SMALL * V_SMALL)
+    for v in on.values():
+        counts[v["ids"][0] * V_SMALL + v["ids"][1]] += 1
+    expected = (TARGET_P[0].unsqueeze(1) * TARGET_P).flatten() * 3000
+    keep = expected > 5  # the chi-square approximation needs enough expected counts per cell
+    obs, exp = counts[keep].double(), expected[keep]
+    exp = exp * obs.sum() / exp.sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = int(keep.sum()) - 1
+    # the 0.999 quantile of chi-square(df), Wilson-Hilferty: df (1 - 2/(9 df) + z sqrt(2/(9 df)))^3, z = 3.09
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+    assert stat < critical, (stat, critical)

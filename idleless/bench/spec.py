@@ -277,6 +277,12 @@ def format_report(result: dict) -> str:
                   "", markdown_table(["config", "decode tok/s", "vs off", "out tok/s (incl. prefill)"] + common,
                                      [_row(c, b["summary"][c], "decode_tokens_per_s") for c in result["configs"]]),
                   ""]
+    sw = result.get("sweep")
+    if sw:
+        lines += [f"Batch-size sweep: the first B requests of {sw['workload']} submitted together", "",
+                  markdown_table(["batch", "config", "wall s", "vs off", "out tok/s"] + common,
+                                 [[str(p["batch_size"])] + _row(c, p["summary"][c], "wall_s")
+                                  for p in sw["points"] for c in result["configs"]]), ""]
     rows = [[f"{w['name']} ({w['num_requests']} req)"] + _row(c, w["summary"][c], "wall_s")
             for w in result["workloads"] for c in result["configs"]]
     if rows:
@@ -342,6 +348,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="batch-1 phase: this many leading requests of the first workload, one at a time (0: skip)")
     parser.add_argument("--max-requests", type=int, default=0,
                         help="use only the first N requests of each workload (0: all)")
+    parser.add_argument("--batch-sizes", default="",
+                        help="comma-separated batch sizes (e.g. 1,4,16,32): for each B, the first B requests of the first "
+                             "workload submitted together (repeated when B exceeds it), to show where the gains vanish")
     parser.add_argument("--reps", type=int, default=1, help="repetitions of every phase (order alternates)")
     parser.add_argument("--output", default=None, help="write the figures as JSON to this file")
     add_cli_args(parser, skip=("speculative_algorithm",))
@@ -487,6 +496,16 @@ def run(args: argparse.Namespace, prepared: Optional[tuple[dict, list[Workload]]
         result["batch1"] = {"workload": first.name, "path": first.path, "num_requests": n1,
                             "runs": recs, "summary": summarize(recs, names)}
         checkpoint()
+    sizes = [int(x) for x in (getattr(args, "batch_sizes", "") or "").split(",") if x.strip()]
+    if sizes:
+        result["sweep"] = {"workload": first.name, "path": first.path, "points": []}
+        for size in sizes:
+            items = [first.items[i % len(first.items)] for i in range(size)]
+            recs = _phase(cores, configs, args.reps, lambda core, items=items: drive(core, items, first), warm_ids,
+                          f"batch {size} on {first.name}")
+            _strip_runs(recs, batch1=False)
+            result["sweep"]["points"].append({"batch_size": size, "runs": recs, "summary": summarize(recs, names)})
+            checkpoint()
     for w in workloads:
         order = shuffled(w.items, args.seed)
         recs = _phase(cores, configs, args.reps, lambda core, w=w, order=order: drive(core, order, w), warm_ids,

@@ -351,7 +351,7 @@ class Scheduler:
         self.stats.forward_time += forward_s
         self.stats.schedule_time += schedule_s
         self.stats.num_steps += 1
-        self.proposer.observe_step(plan.num_tokens, plan.num_proposed, forward_s)
+        self.proposer.observe_step(plan.num_tokens, plan.num_proposed, forward_s + schedule_s)
         if self.tracer is not None:
             self._trace(plan, schedule_s, forward_s)
 

@@ -6,20 +6,24 @@ from two measured things:
 * the request's acceptance rate ``a`` (the chance that a guess is accepted given the ones before it
   were): a decayed count of accepted guesses and first rejections, so it follows the request as its
   text moves between copying and free writing (SGLang's adaptive EAGLE keeps an EMA the same way);
-* a cost model of the step: forward seconds as a function of the tokens in the step, measured online
-  (``StepCost``: one running average per power-of-two bucket of token counts, interpolated), plus the
-  proposer's own seconds per drafted token (``LinearCost``).
+* a cost model of the step, measured online: its seconds outside drafting (planning, forward or
+  verify, commit) as a function of the tokens in it (``StepCost``: one running average per
+  power-of-two bucket of token counts, interpolated), plus the proposer's seconds per draft step
+  (a draft model runs one step per guess depth for all drafting requests together) as a function
+  of the number of drafting requests (another ``StepCost``; before it is measured, the proposer's
+  ``cost_hint`` times a target step); the draft time of a plan is its depth times that.
 
 Under the usual i.i.d. model (Leviathan et al., arXiv 2211.17192, section 3.1) the j-th guess of a
 request adds ``a**j`` expected tokens. The controller adds guesses in order of that value, across
-the whole batch, while the expected tokens per second of the step (``B + sum of a**j`` over
-``step time(B + drafts) + draft time``) still rise. Speculation is therefore off for a step exactly
+the whole batch, and keeps the count at which the expected tokens per second of the step
+(``B + sum of a**j`` over ``step time(B + drafts) + draft time``) is highest. Speculation is therefore off for a step exactly
 when no first guess pays for itself: at large batches, where the verify tokens are no longer free
 (the step is compute-bound), or when nothing is being accepted. Plans use an upper confidence bound
 of the rate (the estimate plus ``OPTIMISM / sqrt(1 + evidence)``), and the evidence of requests left
 without drafts decays, so a request is probed again a while after its guesses stopped paying (the
-exploration of UCB1, Auer et al. 2002); unmeasured step sizes are assumed to cost what the largest
-measured one does (optimistic), so the model measures them before it trusts them.
+exploration of UCB1, Auer et al. 2002). The step-cost model errs toward plain decoding for steps
+smaller than any measured (so plain steps get measured: a verify must never be judged against a
+guess of what plain decoding costs) and toward speculating for steps larger than any measured.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ class StepCost:
     """Forward seconds of a step as a function of its token count, learnt online.
 
     One running average (weight ``COST_EMA``) of (tokens, seconds) per bucket ``ceil(log2(tokens))``;
-    ``predict`` interpolates linearly between trusted buckets (``MIN_SAMPLES`` samples), is flat below
-    the smallest and flat above the largest (optimistic: an unmeasured larger step is assumed as cheap
-    as the largest measured one, so it gets tried and measured). None until a bucket is trusted."""
+    ``predict`` interpolates linearly between trusted buckets (``MIN_SAMPLES`` samples); below the
+    smallest it scales that bucket's time down in proportion to the tokens, above the largest it is
+    flat: below, it errs toward plain decoding (a small plain step is assumed cheap, so it gets run
+    and measured), above, toward speculating (a larger verify is assumed no dearer than the largest
+    step measured, so it gets tried and measured). None until a bucket is trusted."""
 
     def __init__(self):
         self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, samples]
@@ -76,26 +82,11 @@ class StepCost:
         xs = [x for x, _ in pts]
         i = bisect.bisect_left(xs, tokens)
         if i == 0:
-            return pts[0][1]
+            return pts[0][1] * min(1.0, tokens / pts[0][0])
         if i == len(pts):
             return pts[-1][1]
         (x0, t0), (x1, t1) = pts[i - 1], pts[i]
         return t0 + (t1 - t0) * (tokens - x0) / (x1 - x0) if x1 > x0 else t1
-
-
-class LinearCost:
-    """Seconds per unit (a drafted token), a running average of seconds / units (weight COST_EMA)."""
-
-    def __init__(self):
-        self.per_unit = 0.0
-        self.samples = 0
-
-    def add(self, units: int, seconds: float) -> None:
-        if units <= 0 or not math.isfinite(seconds) or seconds < 0:
-            return
-        x = seconds / units
-        self.per_unit = x if self.samples == 0 else self.per_unit + COST_EMA * (x - self.per_unit)
-        self.samples += 1
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -117,7 +108,7 @@ class AdaptiveProposer(Proposer):
         self.max_draft = max_draft
         self.adaptive = adaptive
         self.step_cost = StepCost()
-        self.draft_cost = LinearCost()
+        self.draft_step_cost = StepCost()  # seconds per draft step, by the number of drafting requests
         self._counts: dict[str, list[float]] = {}  # rid -> [accepted, rejected] (decayed)
         self._global = [1.0, 1.0]  # batch-wide decayed counts (the prior of every request)
         self.num_verifies = 0  # request-verifies: one per request per step with guesses
@@ -143,10 +134,12 @@ class AdaptiveProposer(Proposer):
 
     def draft_lengths(self, rates: Sequence[float], room: Sequence[int]) -> list[int]:
         """Guesses per request that maximise the step's expected tokens per second (module
-        docstring). ``rates``: acceptance per request; ``room``: the most each may take. The cost of
-        m guesses depends on m only, so for each m the best guesses are the m of highest value
-        ``a**j``; every m is tried and the best ratio wins (the fewest guesses on a tie). All zeros
-        when no guess pays (speculation off)."""
+        docstring). ``rates``: acceptance per request; ``room``: the most each may take. The verify
+        cost depends on the number m of guesses, the draft cost on their depth and on how many
+        requests draft; so for every depth cap d and every m, the m guesses of highest value
+        ``a**j`` with j <= d are taken, and the best ratio wins (the fewest guesses on a tie). Exact
+        when drafting is free (a tie-free top-m is then optimal); near it otherwise. All zeros when
+        no guess pays (speculation off)."""
         caps = [min(r, self.max_draft) for r in room]
         if not self.adaptive:
             return caps
@@ -154,17 +147,37 @@ class AdaptiveProposer(Proposer):
         t_plain = self.step_cost.predict(B)
         if t_plain is None:  # nothing measured yet: speculate, and measure
             return caps
-        gains = sorted(((a ** j, i) for i, a in enumerate(rates) for j in range(1, caps[i] + 1)), reverse=True)
-        value, best, best_m = float(B), B / t_plain, 0
-        for m, (gain, _) in enumerate(gains, 1):
-            value += gain
-            ratio = value / (self.step_cost.predict(B + m) + self.draft_cost.per_unit * m)
-            if ratio > best:
-                best, best_m = ratio, m
+        gains = sorted(((a ** j, j, i) for i, a in enumerate(rates) for j in range(1, caps[i] + 1)),
+                       key=lambda g: (-g[0], g[1], g[2]))
+        verify = [self.step_cost.predict(B + m) for m in range(len(gains) + 1)]
+        hint = self.inner.cost_hint  # until the proposer is measured: its hint times a target step
+        per_step = [0.0] + [self._draft_step(n, hint) for n in range(1, B + 1)]
+        best, best_plan = B / t_plain, []
+        for cap in range(1, max(caps, default=0) + 1):
+            value, taken, depth, drafting, plan = float(B), [0] * B, 0, 0, []
+            for gain, j, i in gains:
+                if j > cap:
+                    continue
+                value += gain
+                drafting += taken[i] == 0
+                taken[i] += 1
+                depth = max(depth, taken[i])
+                plan.append(i)
+                ratio = value / (verify[len(plan)] + depth * per_step[drafting])
+                if ratio > best * (1 + 1e-12):
+                    best, best_plan = ratio, list(plan)
         ks = [0] * B
-        for _, i in gains[:best_m]:
+        for i in best_plan:
             ks[i] += 1
         return ks
+
+    def _draft_step(self, n: int, hint: float) -> float:
+        """Predicted seconds of one draft step for ``n`` drafting requests: measured, else the
+        proposer's ``cost_hint`` times a target step of n tokens."""
+        t = self.draft_step_cost.predict(n)
+        if t is None:
+            t = hint * (self.step_cost.predict(n) or 0.0)
+        return t
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
         ks = self.draft_lengths([self.planning_rate(r.rid) for r in requests], max_tokens)
@@ -175,10 +188,11 @@ class AdaptiveProposer(Proposer):
         t0 = time.perf_counter()
         drafts = [list(d[:k]) for d, k in zip(self.inner.propose(requests, ks), ks)]
         dt = time.perf_counter() - t0
-        n = sum(map(len, drafts))
         self.draft_seconds += dt
-        self.draft_cost.add(n, dt)
-        self.num_steps_on += 1
+        depth = max(map(len, drafts))
+        if depth:
+            self.draft_step_cost.add(sum(1 for d in drafts if d), dt / depth)
+            self.num_steps_on += 1
         self._drift([r for r, d in zip(requests, drafts) if not d])
         return drafts
 
@@ -204,9 +218,9 @@ class AdaptiveProposer(Proposer):
         self.accepted_hist[min(num_accepted, MAX_HIST)] += 1
         self.inner.observe(request, num_proposed, num_accepted)
 
-    def observe_step(self, num_tokens: int, num_proposed: int, forward_s: float) -> None:
-        self.step_cost.add(num_tokens, forward_s)
-        self.inner.observe_step(num_tokens, num_proposed, forward_s)
+    def observe_step(self, num_tokens: int, num_proposed: int, step_s: float) -> None:
+        self.step_cost.add(num_tokens, step_s)
+        self.inner.observe_step(num_tokens, num_proposed, step_s)
 
     def finish(self, request) -> None:
         self._counts.pop(request.rid, None)
@@ -216,7 +230,8 @@ class AdaptiveProposer(Proposer):
         """``algorithm``; ``num_drafts`` (request-verifies), ``num_draft_tokens``,
         ``num_accepted_tokens``; ``acceptance_rate`` (accepted / drafted tokens);
         ``mean_accepted_length`` (tokens per verify: accepted guesses + the target's own);
-        ``num_steps_on`` / ``num_steps_off`` (steps with decoding requests that drafted or not);
+        ``num_steps_on`` (steps with guesses) / ``num_steps_off`` (steps the cost model kept
+        guess-free; steps where the proposer found nothing count as neither);
         ``draft_seconds``; ``accepted_hist`` (verifies by accepted guesses, 0..MAX_HIST); and the
         proposer's own counters under ``proposer``."""
         v = self.num_verifies

@@ -38,6 +38,10 @@ from idleless.spec.proposer import Proposer
 GREEDY = SamplingRow(SamplingParams(temperature=0.0), None, (), ())
 
 
+def _num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 @dataclass(eq=False)
 class DraftSeq:
     """The draft side of one request, in the fields ``RequestKV`` uses.
@@ -87,6 +91,10 @@ class DraftModelProposer(Proposer):
                                           kv_cache_memory=config.speculative_draft_kv_cache_memory,
                                           context_length=target_runner.context_length))
         self.pool = self.runner.pool
+        # a draft step reads the draft's weights as a target step reads the target's: their size ratio
+        # (1, pessimistic, for a target runner without a model, e.g. a test's stand-in)
+        target = getattr(target_runner, "model", None)
+        self.cost_hint = _num_params(self.runner.model) / max(1, _num_params(target)) if target is not None else 1.0
         self.kv = RequestKV(self.pool, make_prefix_cache(config, self.pool))
         self.seqs: dict[str, DraftSeq] = {}  # rid -> draft state, for requests proposed for and not finished
         self.forward_s = 0.0

@@ -26,6 +26,9 @@ class Proposer:
     ``prompt_ids``, ``output_ids``, ``all_ids``, ``params``; never modify them."""
 
     name = "none"
+    # A draft step's seconds relative to a target step of the same batch, assumed until measured
+    # (0: guessing is free, e.g. lookups in text already seen).
+    cost_hint = 0.0
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
         """One list of guessed next token ids per decoding request, the i-th at most
@@ -36,9 +39,9 @@ class Proposer:
         """The verify result of one request: of ``num_proposed`` guesses the first ``num_accepted``
         were accepted (the target then added one token of its own, unless the request ended)."""
 
-    def observe_step(self, num_tokens: int, num_proposed: int, forward_s: float) -> None:
+    def observe_step(self, num_tokens: int, num_proposed: int, step_s: float) -> None:
         """One executed step: ``num_tokens`` tokens computed (``num_proposed`` of them guesses) in
-        ``forward_s`` seconds of forward (verify) time."""
+        ``step_s`` seconds outside the proposer (planning, forward or verify, commit)."""
 
     def finish(self, request) -> None:
         """``request`` ended (finished, aborted or failed): drop its state. Its ``output_ids`` are final."""
