@@ -161,3 +161,11 @@ def test_an_unmeasured_draft_costs_its_hint_times_a_target_step():
         ctl = AdaptiveProposer(inner, max_draft=4)
         ctl.step_cost = scripted_cost(lambda x: 0.05 + 1e-4 * x, [1, 2, 4, 8])
         assert any(ctl.draft_lengths([0.6], [4])) == speculates
+
+
+def test_before_any_measurement_only_a_free_proposer_speculates():
+    class Heavy(Fixed):
+        cost_hint = 0.3
+
+    assert AdaptiveProposer(Heavy(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [0, 0]
+    assert AdaptiveProposer(Fixed(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [3, 3]

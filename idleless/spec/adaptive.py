@@ -145,8 +145,8 @@ class AdaptiveProposer(Proposer):
             return caps
         B = len(rates)
         t_plain = self.step_cost.predict(B)
-        if t_plain is None:  # nothing measured yet: speculate, and measure
-            return caps
+        if t_plain is None:  # nothing measured yet: a free proposer speculates (and gets measured)
+            return caps if self.inner.cost_hint == 0 else [0] * B
         gains = sorted(((a ** j, j, i) for i, a in enumerate(rates) for j in range(1, caps[i] + 1)),
                        key=lambda g: (-g[0], g[1], g[2]))
         verify = [self.step_cost.predict(B + m) for m in range(len(gains) + 1)]
