@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (``routes_openai``);
 POST /generate (native: token ids in and out), POST /v1/tokenize, POST /v1/detokenize
 (``routes_native``); GET /health, GET /metrics, GET /server_info, POST /flush_cache,
-POST /pin_prefix, POST /unpin_prefix (``routes_admin``).
+POST /pin_prefix, POST /unpin_prefix, and SGLang's GET /v1/loads, GET /get_model_info (also
+/model_info) and GET /get_server_info (``routes_admin``).
 
 Every error is the OpenAI error object ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad input (validated here, before the engine sees anything), 401 without the API key,
