@@ -10,6 +10,7 @@ from typing import Optional
 from idleless.errors import RequestError
 
 MAX_LOGPROBS = 20  # alternatives per position (top_logprobs, prompt_logprobs): vLLM's default max_logprobs
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass
@@ -29,6 +30,9 @@ class SamplingParams:
     it, its rank and the k most likely tokens there; position 0 has none (its entry is None).
     Logprobs are the model's raw log-softmax (before penalties/temperature/truncation). At most
     MAX_LOGPROBS alternatives per position (vLLM's default cap).
+    logit_bias (OpenAI's): token id -> a bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] added to that token's
+    logit before penalties, temperature and truncation (-100 in effect bans a token, +100 in effect forces
+    it); None or {} for none. It changes the choice, not the reported logprobs (raw, as above).
     """
 
     temperature: float = 1.0
@@ -51,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     prompt_logprobs_start: int = 0
     n: int = 1
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,7 +109,26 @@ class SamplingParams:
             bad("prompt_logprobs_start", f"must be an integer >= 0, got {s!r}")
         if self.n < 1:
             bad("n", "must be >= 1")
+        self._validate_logit_bias(vocab_size, bad)
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+
+    def _validate_logit_bias(self, vocab_size: int | None, bad) -> None:
+        """logit_bias: a dict of int token ids (in [0, vocab_size) when it is known) to finite numbers
+        in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; ``bad(param, why)`` raises."""
+        lb = self.logit_bias
+        if lb is None:
+            return
+        if not isinstance(lb, dict):
+            bad("logit_bias", f"must be an object of token id -> bias, got {type(lb).__name__}")
+        for t, b in lb.items():
+            if not isinstance(t, int) or isinstance(t, bool):
+                bad("logit_bias", f"keys must be token ids, got {t!r}")
+            if vocab_size is not None and not 0 <= t < vocab_size:
+                bad("logit_bias", f"contains token id {t}, outside the vocabulary [0, {vocab_size})")
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) \
+                    or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX:
+                bad("logit_bias", f"values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {b!r} "
+                    f"for token {t}")

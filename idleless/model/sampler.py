@@ -1,7 +1,7 @@
 """Sampling: penalties, temperature, top-k / top-p / min-p, seeded per-row draws, logprobs.
 
-A pure function of the logits and, per row, the sampling parameters, the token history and a
-torch.Generator: it knows nothing of engine requests. All rows that sample (temperature > 0) go
+A pure function of the logits and, per row, the sampling parameters (logit bias included), the
+token history and a torch.Generator: it knows nothing of engine requests. All rows that sample (temperature > 0) go
 through one vectorised pass — penalties, temperature and truncation are batched tensor ops with
 per-row parameter tensors (the shape of vLLM v1's ``Sampler`` and SGLang's sampler) — and then one
 inverse-CDF draw that takes a single uniform number per row, so the same seed gives the same tokens
@@ -84,6 +84,28 @@ def _token_index(seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, t
     toks = torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in seqs])
     rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
     return rows.to(device), toks.to(device)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``params.logit_bias`` (OpenAI's: token id -> bias) to logits [R, V] (float32), in
+    place; returns logits. One indexed add over the (row, token) pairs of the rows that have a bias;
+    the other rows are untouched. Ids outside [0, V) are skipped (SamplingParams.validate refuses
+    them against the tokenizer's vocabulary first)."""
+    V = logits.shape[1]
+    r_ix: list[int] = []
+    t_ix: list[int] = []
+    bias: list[float] = []
+    for j, r in enumerate(rows):
+        for t, b in (r.params.logit_bias or {}).items():
+            if 0 <= t < V:
+                r_ix.append(j)
+                t_ix.append(t)
+                bias.append(b)
+    if t_ix:
+        dev = logits.device
+        logits.index_put_((torch.tensor(r_ix, device=dev), torch.tensor(t_ix, device=dev)),
+                          torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -248,10 +270,11 @@ def draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]],
 
 
 def _adjusted(r: SamplingRow) -> bool:
-    """Whether the row's logits change before its choice (penalties or a min_new_tokens ban)."""
+    """Whether the row's logits change before its choice (a logit bias, penalties or a min_new_tokens
+    ban)."""
     p = r.params
-    return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-            or len(r.output_ids) < p.min_new_tokens)
+    return (bool(p.logit_bias) or p.repetition_penalty != 1.0 or bool(p.frequency_penalty)
+            or bool(p.presence_penalty) or len(r.output_ids) < p.min_new_tokens)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int]) -> SampleOutput:
@@ -259,8 +282,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
     by rows[i] (len N); eos_ids: the model's end-of-sequence ids, banned by min_new_tokens.
 
     Greedy rows (temperature < 1e-5 or top_k 1) take the argmax (the first maximum) of their
-    penalised logits; when every row is greedy with nothing to adjust that is one ``max`` over the
-    raw logits. The other rows are penalised, divided by their temperatures, truncated
+    biased (:func:`apply_logit_bias`, first, as vLLM) and penalised logits; when every row is greedy
+    with nothing to adjust that is one ``max`` over the raw logits. The other rows are penalised, divided by their temperatures, truncated
     (:func:`truncate`) and drawn (:func:`draw`) together. A row with no probabilities (an inf or NaN
     logit after the temperature) takes the argmax instead. Raises ValueError if len(rows) != N.
     """
@@ -278,7 +301,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
             next_ids[plain_ix] = logits[plain_ix].max(-1).indices
         work_ix = torch.tensor([i for i in range(N) if not plain[i]], dtype=torch.int64, device=dev)
         work = [r for r, pl in zip(rows, plain) if not pl]
-        x = logits[work_ix].to(torch.float32)  # a copy: penalties and bans write into it
+        x = logits[work_ix].to(torch.float32)  # a copy: biases, penalties and bans write into it
+        apply_logit_bias(x, work)
         apply_penalties(x, work)
         ban_stop_tokens(x, work, eos_ids)
         greedy = [j for j, r in enumerate(work) if r.params.greedy]
