@@ -47,6 +47,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--chat-template", default=None,
+                        help="the chat template for /v1/chat/completions: a Jinja file, or the template itself "
+                             "inline (as vLLM's flag); default: the model's own")
     parser.add_argument("--enable-metrics", action="store_true",
                         help="accepted for SGLang's flag: GET /metrics is always on (idleless: and vllm: names)")
 
@@ -135,8 +138,11 @@ async def serve(args: argparse.Namespace) -> int:
     from idleless.server.engine_client import EngineClient
     from idleless.telemetry.metrics import ServerMetrics
 
+    from idleless.text.tokenizer import load_chat_template
+
     t0 = time.monotonic()
     config = config_from_args(args)
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None  # fails before the load
     if config.num_threads == 0:
         # The frontend process (HTTP, tokenization, detokenization) needs a core too: an engine core
         # whose OpenMP threads take every core waits on descheduled threads at each op (benchmarks/
@@ -148,6 +154,8 @@ async def serve(args: argparse.Namespace) -> int:
     client: Optional[EngineClient] = None
     try:
         client = await EngineClient.start(config, metrics)
+        if chat_template is not None:
+            client.tokenizer.set_chat_template(chat_template)
         info = client.info
         fp = hashlib.sha256(f"{info.model_dir}|{info.dtype}".encode()).hexdigest()[:10]
         settings = ServerSettings(model_names=names, model_path=config.model or info.model_dir, api_key=args.api_key,

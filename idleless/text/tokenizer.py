@@ -28,6 +28,7 @@ __all__ = [
     "StopStringMatcher",
     "TextStream",
     "normalize_messages",
+    "load_chat_template",
 ]
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -211,6 +212,12 @@ class Tokenizer:
     def chat_template(self) -> Optional[str]:
         return getattr(self.hf, "chat_template", None)
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the tokenizer's chat template (a Jinja string, e.g. from ``load_chat_template``)
+        for every later render. Raises ValueError if the template does not parse as Jinja."""
+        _check_jinja(template)
+        self.hf.chat_template = template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids. ``add_special_tokens`` adds BOS/EOS only where the tokenizer is
         configured to (its ``add_bos_token`` / post-processor); for SmolLM2 it adds nothing.
@@ -280,7 +287,10 @@ class Tokenizer:
 
         messages: list of ``{"role": str, "content": str | [{"type": "text", "text": str}, ...]}``;
         list content is flattened to a string first (``normalize_messages``). ``template_kwargs``
-        (e.g. ``tools``, ``continue_final_message``) go to transformers' ``apply_chat_template``.
+        go to transformers' ``apply_chat_template``: its own (``continue_final_message``: the last
+        message is left open, the text ends with its content, no end-of-turn after it — needs
+        ``add_generation_prompt=False``; ``documents``; ``tools``) and any other name, which the
+        template sees as a variable (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``).
         Raises ValueError if the tokenizer has no chat template (and none is passed) or the messages
         are malformed.
         """
@@ -311,6 +321,34 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos={sorted(self.eos_token_ids)})"
+
+
+def load_chat_template(value: str) -> str:
+    """A ``--chat-template`` value as a template string, as vLLM reads it: the contents of the file
+    ``value`` names if there is one; else, when ``value`` holds Jinja's characters (``{``, ``}`` or a
+    newline), ``value`` itself as an inline template with backslash escapes decoded (so ``\\n``
+    typed on a command line is a newline). Raises ValueError for a value that looks like a path
+    (no Jinja characters) but names no readable file, or a template that does not parse."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif any(c in value for c in "{}\n"):
+        # backslashreplace keeps characters beyond latin-1 as escapes that unicode_escape decodes back
+        template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not an inline Jinja template")
+    _check_jinja(template)
+    return template
+
+
+def _check_jinja(template: str) -> None:
+    """Raise ValueError if ``template`` is not valid Jinja syntax."""
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
 
 
 def check_unicode(text: str, what: str = "text") -> None:
