@@ -3,20 +3,35 @@
 Requests are parsed with ``parse_request(Model, body)``: any problem (not an object, wrong types,
 values out of range) raises :class:`APIError` carrying the HTTP status and the OpenAI error object
 ``{"error": {"message", "type", "param", "code"}}``, so nothing malformed reaches the engine.
-Unknown fields are ignored (clients send many optional OpenAI fields); fields that would change the
-output but that we cannot honour (``logit_bias``, ``response_format`` other than text, tools,
-``suffix``, ``best_of`` > n, ``prompt_logprobs`` with ``stream``) are rejected with 400 rather than
-silently ignored.
+
+No silent drops. Every top-level name of a /v1/chat/completions, /v1/completions or /generate body
+is one of three kinds (``_Checked.check_fields``):
+
+- implemented: a field of the model, honoured (or refused with a 400 where a value cannot be);
+- known and without effect on the output (``user``, ``metadata``, ``store``, ``service_tier``, ...:
+  OpenAI's bookkeeping fields): accepted and ignored, as OpenAI's own API ignores them for output;
+- known but not implemented (OpenAI's ``response_format`` other than text, ``tools``,
+  ``tool_choice``, ``audio``, ...; vLLM's ``guided_*``, ``structured_outputs``, ``use_beam_search``,
+  ``bad_words``, ``priority`` other than 0, ...; SGLang's ``regex``, ``ebnf``, ``json_schema``,
+  ``lora_path``, ...): a 400 (``unsupported_parameter``) naming it in ``param``, unless its value
+  asks for nothing (null, the field's default, an empty list) — so a client never gets an
+  unconstrained 200 for a constrained request.
+
+Any other name is a 400 (``unknown_parameter``) naming it, as OpenAI answers "Unrecognized request
+argument supplied". The same holds for the keys of /generate's ``sampling_params``. Inside nested
+objects (messages, content parts, ``stream_options``) unknown keys are ignored, and the other routes
+(tokenize, detokenize, pins) ignore unknown names.
 
 Sampling fields map onto :class:`idleless.engine.request.SamplingParams` via ``to_sampling_params``;
-range checks on values (NaN, negative, out of range) are ``SamplingParams.validate``'s, done by the
-frontend before a request is queued (``idleless.server.engine_client.EngineClient.check_request``).
+range checks on values (NaN, negative, out of range, ``logit_bias`` ids outside the vocabulary) are
+``SamplingParams.validate``'s, done by the frontend before a request is queued
+(``idleless.server.engine_client.EngineClient.check_request``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_serializer
 
@@ -119,6 +134,8 @@ def parse_request(model: type[BaseModel], body: Any):
     """Validate a decoded JSON body against ``model``; raises APIError(400) naming the first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if issubclass(model, _Checked):
+        model.check_fields(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -140,12 +157,74 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
+def _harmless(value: Any, off: tuple) -> bool:
+    """Whether ``value`` asks for nothing: equal to one of ``off`` with the same type (so 1 is not
+    True and 0 is not False)."""
+    return any(type(value) is type(o) and value == o for o in off)
+
+
+OFF = (None, [], {})  # values of a known-unsupported field that ask for nothing
+OFF_BOOL = (None, False)
+
+
+def unsupported_check(name: str, value: Any, unsupported: dict[str, tuple], ignored: frozenset = frozenset(),
+                      param: Optional[str] = None) -> bool:
+    """The no-silent-drop rule (module docstring) for one name that is not an implemented field:
+    returns True if ``name`` is known and may be ignored (in ``ignored``, or in ``unsupported`` with a
+    value that asks for nothing); raises APIError(400) naming ``param`` (default ``name``) otherwise."""
+    param = param or name
+    if name in ignored:
+        return True
+    off = unsupported.get(name)
+    if off is None:
+        raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                       code="unknown_parameter")
+    if not _harmless(value, off):
+        raise APIError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
+    return True
+
+
+_STRUCTURED = {name: OFF for name in (
+    # vLLM's structured outputs (new and older names), SGLang's constraints, OpenAI-compatible xgrammar tags
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "regex", "ebnf", "json_schema", "structural_tag")}
+# vLLM / SGLang sampling and serving extras we do not implement (both OpenAI routes)
+_EXTRAS = {
+    **_STRUCTURED,
+    "use_beam_search": OFF_BOOL, "length_penalty": (None, 1.0, 1), "bad_words": OFF, "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": OFF_BOOL,
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "logits_processors": OFF, "return_hidden_states": OFF_BOOL,
+    "lora_path": (None,), "mm_processor_kwargs": (None,), "no_stop_trim": OFF_BOOL, "custom_logit_processor": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+# known fields that cannot change the output: OpenAI's bookkeeping, vLLM's request id
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                      "request_id"})
+
+
+class _Checked(_Lenient):
+    """A request body under the no-silent-drop rule: ``IGNORED`` names are accepted and ignored,
+    ``UNSUPPORTED`` names (-> their values that ask for nothing) are refused unless harmless, any
+    other name that is not a field is refused (``check_fields``)."""
+
+    IGNORED: ClassVar[frozenset] = _IGNORED
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = _EXTRAS
+
+    @classmethod
+    def check_fields(cls, body: dict) -> None:
+        """Raise APIError(400) naming the first field of ``body`` the rule refuses."""
+        for name, value in body.items():
+            if name not in cls.model_fields:
+                unsupported_check(name, value, cls.UNSUPPORTED, cls.IGNORED)
+
+
 class StreamOptions(_Lenient):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingRequest(_Lenient):
+class _SamplingRequest(_Checked):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM/SGLang extras)."""
 
     model: Optional[str] = None
@@ -169,7 +248,6 @@ class _SamplingRequest(_Lenient):
     skip_special_tokens: Optional[bool] = True
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -194,14 +272,9 @@ class _SamplingRequest(_Lenient):
         (echo or prompt_logprobs), so max_tokens 0 (score without generating) is allowed. Raises
         APIError(400) for fields we do not support; value ranges are checked later by
         SamplingParams.validate."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                            param="stream_options", code="invalid_value")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported", param="response_format",
-                           code="unsupported_parameter")
         stop = self.stop if self.stop is not None else []
         if isinstance(stop, str):
             stop = [stop]
@@ -235,7 +308,7 @@ class _SamplingRequest(_Lenient):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=d(self.skip_special_tokens, True), logprobs=logprobs, top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs, n=n))
+            prompt_logprobs=prompt_logprobs, n=n, logit_bias=logit_bias_ids(self.logit_bias, "logit_bias")))
 
     @staticmethod
     def _harden(params: SamplingParams) -> SamplingParams:
@@ -251,6 +324,22 @@ class _SamplingRequest(_Lenient):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def logit_bias_ids(bias: Optional[dict], param: str) -> Optional[dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) keyed by int ids; None for
+    none. APIError(400) naming ``param`` for a key that is not an integer; the ids' range and the
+    biases' are ``SamplingParams.validate``'s."""
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except (TypeError, ValueError):
+            raise APIError(400, f"{param}: keys must be token ids (integers), got {k!r}", param=param,
+                           code="invalid_value") from None
+    return out
 
 
 # engine param name -> API param name, for error messages
@@ -273,6 +362,7 @@ class CompletionRequest(_SamplingRequest):
     prompt_logprobs: Optional[StrictInt] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_EXTRAS, "add_special_tokens": (None, True)}
 
     def _max_new_tokens(self) -> Optional[int]:
         if "max_tokens" not in self.model_fields_set:
@@ -324,40 +414,78 @@ class ChatMessage(_Lenient):
         return m
 
 
-class ChatCompletionRequest(_SamplingRequest):
+# apply_chat_template's own arguments: set by their own request fields, never through chat_template_kwargs
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class _ChatTemplateFields(_Lenient):
+    """How the chat template renders ``messages`` (vLLM's fields): ``add_generation_prompt`` (default
+    true) opens an assistant turn after them; ``continue_final_message`` instead leaves the final
+    (assistant) message open so the reply continues its text (needs add_generation_prompt false);
+    ``chat_template_kwargs``: more variables for the template (e.g. ``enable_thinking``);
+    ``documents``: a list of objects the template sees as ``documents`` (retrieval-augmented
+    templates)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[StrictBool] = True
+    continue_final_message: Optional[StrictBool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[list[dict[str, Any]]] = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Tokenizer.apply_chat_template`` for these messages. APIError(400)
+        for continue_final_message with add_generation_prompt or without a final assistant message,
+        and for chat_template_kwargs that name apply_chat_template's own arguments."""
+        agp = self.add_generation_prompt is not False
+        if self.continue_final_message and (agp or not self.messages or self.messages[-1].role != "assistant"):
+            raise APIError(400, "continue_final_message needs add_generation_prompt=false and a final "
+                           "assistant message", param="continue_final_message", code="invalid_value")
+        extra = dict(self.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved} (use the request's own fields)",
+                           param="chat_template_kwargs", code="invalid_value")
+        kw: dict[str, Any] = {**extra, "add_generation_prompt": agp}
+        if self.continue_final_message:
+            kw["continue_final_message"] = True
+        if self.documents is not None:
+            kw["documents"] = self.documents
+        return kw
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     """POST /v1/chat/completions. ``max_completion_tokens`` (newer OpenAI name) wins over
     ``max_tokens``; both omitted or null = up to the context. ``logprobs`` (bool) with
     ``top_logprobs`` (0..20) alternatives per token. ``prompt_logprobs`` (vLLM's): the rendered
-    prompt's entries in the response's ``prompt_logprobs``; then ``max_tokens`` 0 scores only."""
+    prompt's entries in the response's ``prompt_logprobs``; then ``max_tokens`` 0 scores only.
+    Template fields: :class:`_ChatTemplateFields`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     prompt_logprobs: Optional[StrictInt] = None
-    add_generation_prompt: Optional[bool] = True
-    continue_final_message: Optional[bool] = False
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    IGNORED: ClassVar[frozenset] = _IGNORED | {"parallel_tool_calls", "prediction"}  # no effect without tools
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_EXTRAS, "tools": OFF, "tool_choice": (None, "none", "auto"), "functions": OFF,
+        "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "audio": (None,),
+        "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "chat_template": (None,),
+        "echo": OFF_BOOL, "add_special_tokens": OFF_BOOL}
 
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
-        if self.continue_final_message and (self.add_generation_prompt is not False or
-                                            self.messages[-1].role != "assistant"):
-            raise APIError(400, "continue_final_message needs add_generation_prompt=false and a final "
-                           "assistant message", param="continue_final_message", code="invalid_value")
         self._check_prompt_logprobs()
         return self.to_sampling_params(bool(self.logprobs), self.top_logprobs or 0, self.prompt_logprobs,
                                        scores_prompt=self.prompt_logprobs is not None)
 
 
-class GenerateRequest(_Lenient):
+class GenerateRequest(_Checked):
     """POST /generate (native): ``input_ids`` (token ids) or ``text``; ``sampling_params`` uses the
     engine's names (max_new_tokens, temperature, top_p, top_k, min_p, penalties, stop,
     stop_token_ids, ignore_eos, min_new_tokens, seed, n, logprobs, top_logprobs, ...).
@@ -365,7 +493,21 @@ class GenerateRequest(_Lenient):
     Logprobs as SGLang's /generate: ``return_logprob`` returns the output tokens' logprobs and, from
     prompt position ``logprob_start_len`` on (-1, the default: none of the prompt), the prompt's;
     ``top_logprobs_num`` alternatives per position (0..20); ``return_text_in_logprobs`` adds each
-    token's text. The prompt's entries are set with these, not in ``sampling_params``."""
+    token's text. The prompt's entries are set with these, not in ``sampling_params``.
+
+    SGLang's names this server does not implement are refused (module docstring): at the top level
+    (``image_data``, ``lora_path``, ``return_hidden_states``, ``priority`` other than 0, ...) and in
+    ``sampling_params`` (``regex``, ``ebnf``, ``json_schema``, ``structural_tag``, ...)."""
+
+    IGNORED: ClassVar[frozenset] = frozenset({"log_metrics"})
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {name: (None,) for name in (
+        "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "lora_id", "custom_logit_processor",
+        "session_params", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+        "data_parallel_rank", "modalities")} | {"return_hidden_states": OFF_BOOL, "priority": (None, 0)}
+    SAMPLING_UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **{k: OFF for k in ("regex", "ebnf", "json_schema", "structural_tag", "custom_params", "stop_regex")},
+        "no_stop_trim": OFF_BOOL, "spaces_between_special_tokens": (None, True), "sampling_seed": (None,)}
+    SAMPLING_IGNORED: ClassVar[frozenset] = frozenset({"stream_interval"})  # streaming granularity only
 
     input_ids: Optional[TokenIds] = None
     text: Optional[str] = None
@@ -389,16 +531,23 @@ class GenerateRequest(_Lenient):
         if top is None or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                            param="top_logprobs_num", code="invalid_value")
-        unknown = set(self.sampling_params) - allowed
-        if unknown:
-            raise APIError(400, f"unknown sampling_params: {sorted(unknown)}", param="sampling_params",
-                           code="invalid_value")
+        for k, v in self.sampling_params.items():
+            if k not in allowed:
+                unsupported_check(k, v, self.SAMPLING_UNSUPPORTED, self.SAMPLING_IGNORED, f"sampling_params.{k}")
         types = {"temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
                  "frequency_penalty": float, "presence_penalty": float, "top_k": int, "max_new_tokens": int,
                  "min_new_tokens": int, "seed": int, "n": int, "top_logprobs": int, "ignore_eos": bool,
                  "include_stop_str_in_output": bool, "skip_special_tokens": bool, "logprobs": bool}
         kw = {}
         for k, v in self.sampling_params.items():
+            if k not in allowed:
+                continue
+            if k == "logit_bias":
+                if v is not None and not isinstance(v, dict):
+                    raise APIError(400, "sampling_params.logit_bias must be an object of token id -> bias",
+                                   param="sampling_params.logit_bias", code="invalid_type")
+                kw[k] = logit_bias_ids(v, "sampling_params.logit_bias")
+                continue
             t = types.get(k)
             if v is None and k in ("max_new_tokens", "seed"):
                 kw[k] = None
@@ -432,14 +581,14 @@ class GenerateRequest(_Lenient):
         return p
 
 
-class TokenizeRequest(_Lenient):
-    """POST /v1/tokenize: ``prompt`` text, or chat ``messages`` rendered with the chat template."""
+class TokenizeRequest(_ChatTemplateFields):
+    """POST /v1/tokenize: ``prompt`` text, or chat ``messages`` rendered with the chat template (with
+    the template fields of :class:`_ChatTemplateFields`)."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = True
-    add_generation_prompt: Optional[bool] = True
 
 
 class DetokenizeRequest(_Lenient):

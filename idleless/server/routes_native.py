@@ -120,8 +120,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            ids = await ctx.render_chat([m.to_template() for m in req.messages],
-                                        add_generation_prompt=bool(req.add_generation_prompt))
+            ids = await ctx.render_chat([m.to_template() for m in req.messages], **req.template_kwargs())
         else:
             ids = await ctx.encode(req.prompt, "prompt", bool(req.add_special_tokens))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": client.limit_tokens})

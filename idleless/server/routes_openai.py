@@ -121,11 +121,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_request(ChatCompletionRequest, await ctx.read_json(request))
         model = ctx.check_model(req.model)
         params = req.sampling_params()
-        msgs = [m.to_template() for m in req.messages]
-        kwargs = {"add_generation_prompt": bool(req.add_generation_prompt)}
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
-        ids = await ctx.render_chat(msgs, **kwargs)
+        ids = await ctx.render_chat([m.to_template() for m in req.messages], **req.template_kwargs())
         sub = ctx.submit([ids], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint

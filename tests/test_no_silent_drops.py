@@ -1,0 +1,132 @@
+"""No silent drops (issue 12, section 3): every known field the server does not implement is a 400 in
+the OpenAI error shape naming it, unless its value asks for nothing; known bookkeeping fields are
+ignored; any other top-level name is refused as OpenAI refuses it ("Unrecognized request argument")."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from idleless.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                                      parse_request)
+from server_harness import shared_server
+
+pytestmark = pytest.mark.timeout(300)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+COMP = {"prompt": "hi", "max_tokens": 1}
+GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+
+# a value that asks for something, per known-unsupported field
+ASKING = {
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "a+"},
+    "regex": "a+", "ebnf": "root ::= 'a'", "json_schema": {"type": "object"}, "structural_tag": "{}",
+    "response_format": {"type": "json_object"}, "use_beam_search": True, "length_penalty": 0.5,
+    "bad_words": ["x"], "allowed_token_ids": [1, 2], "truncate_prompt_tokens": 5, "return_tokens_as_token_ids": True,
+    "spaces_between_special_tokens": False, "priority": 3, "cache_salt": "s", "kv_transfer_params": {},
+    "vllm_xargs": {}, "logits_processors": ["p"], "return_hidden_states": True, "lora_path": "l",
+    "mm_processor_kwargs": {}, "no_stop_trim": True, "custom_logit_processor": "c",
+}
+CHAT_ASKING = {**ASKING, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+               "functions": [{"name": "f"}], "function_call": {"name": "f"}, "modalities": ["text", "audio"],
+               "audio": {"voice": "x"}, "reasoning_effort": "low", "verbosity": "low", "web_search_options": {},
+               "chat_template": "{{ x }}", "echo": True, "add_special_tokens": True}
+COMP_ASKING = {**ASKING, "add_special_tokens": False}
+GEN_ASKING = {"image_data": "x", "audio_data": "x", "video_data": "x", "input_embeds": [[0.0]], "lora_path": "l",
+              "lora_id": "l", "custom_logit_processor": "c", "session_params": {}, "token_ids_logprob": [1],
+              "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1, "data_parallel_rank": 0,
+              "modalities": ["image"], "return_hidden_states": True, "priority": 2}
+GEN_SAMPLING_ASKING = {"regex": "a+", "ebnf": "root ::= 'a'", "json_schema": "{}", "structural_tag": "{}",
+                       "custom_params": {"a": 1}, "stop_regex": "a", "no_stop_trim": True,
+                       "spaces_between_special_tokens": False, "sampling_seed": 3}
+
+# values that ask for nothing: accepted
+HARMLESS = [("guided_json", None), ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"),
+            ("tool_choice", "auto"), ("priority", 0), ("length_penalty", 1.0), ("use_beam_search", False),
+            ("spaces_between_special_tokens", True), ("modalities", ["text"]), ("user", "u-1"),
+            ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"), ("parallel_tool_calls", True)]
+
+
+def _refused(model, body, param: str, code: str) -> None:
+    with pytest.raises(APIError) as e:
+        r = parse_request(model, body)
+        if model is GenerateRequest:
+            r.params()
+        else:
+            r.sampling_params()
+    assert e.value.status == 400 and e.value.param == param and e.value.code == code, e.value.message
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("name", sorted(CHAT_ASKING))
+def test_chat_known_unsupported(name):
+    _refused(ChatCompletionRequest, {**CHAT, name: CHAT_ASKING[name]}, name, "unsupported_parameter")
+
+
+@pytest.mark.parametrize("name", sorted(COMP_ASKING))
+def test_completions_known_unsupported(name):
+    _refused(CompletionRequest, {**COMP, name: COMP_ASKING[name]}, name, "unsupported_parameter")
+
+
+@pytest.mark.parametrize("name", sorted(GEN_ASKING))
+def test_generate_known_unsupported(name):
+    _refused(GenerateRequest, {**GEN, name: GEN_ASKING[name]}, name, "unsupported_parameter")
+
+
+@pytest.mark.parametrize("name", sorted(GEN_SAMPLING_ASKING))
+def test_generate_sampling_params_known_unsupported(name):
+    body = {**GEN, "sampling_params": {"max_new_tokens": 1, name: GEN_SAMPLING_ASKING[name]}}
+    _refused(GenerateRequest, body, f"sampling_params.{name}", "unsupported_parameter")
+
+
+@pytest.mark.parametrize("model, body", [(ChatCompletionRequest, CHAT), (CompletionRequest, COMP),
+                                         (GenerateRequest, GEN)])
+def test_unknown_names_are_refused(model, body):
+    _refused(model, {**body, "mirostat_tau": 5.0}, "mirostat_tau", "unknown_parameter")
+
+
+def test_unknown_sampling_params_key_is_named():
+    _refused(GenerateRequest, {**GEN, "sampling_params": {"bogus": 1}}, "sampling_params.bogus", "unknown_parameter")
+
+
+@pytest.mark.parametrize("name, value", HARMLESS)
+def test_harmless_values_are_accepted(name, value):
+    parse_request(ChatCompletionRequest, {**CHAT, name: value}).sampling_params()
+
+
+# ---------------------------------------------------------------- the same through a real server
+
+
+@pytest.fixture(scope="module")
+def http(smollm2_dir, pytestconfig):
+    srv = shared_server(pytestconfig)
+    with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "tools": CHAT_ASKING["tools"]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "priority": 5}, "priority"),
+    ("/v1/chat/completions", {**CHAT, "nonsense_field": 1}, "nonsense_field"),
+    ("/v1/completions", {**COMP, "guided_regex": "a+"}, "guided_regex"),
+    ("/v1/completions", {**COMP, "regex": "a+"}, "regex"),
+    ("/generate", {**GEN, "sampling_params": {"max_new_tokens": 1, "json_schema": "{}"}}, "sampling_params.json_schema"),
+    ("/generate", {**GEN, "lora_path": "x"}, "lora_path"),
+])
+def test_server_refuses_with_the_openai_error(http, path, body, param):
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+def test_server_accepts_harmless_and_bookkeeping_fields(http):
+    r = http.post("/v1/chat/completions", json={**CHAT, "user": "u", "metadata": {"a": "b"}, "store": False,
+                                                "response_format": {"type": "text"}, "tools": [],
+                                                "tool_choice": "none", "priority": 0, "guided_json": None})
+    assert r.status_code == 200, r.text
