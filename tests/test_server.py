@@ -335,7 +335,7 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "stop_token_ids": [10**9]}, "stop_token_ids", None),
     ("/v1/chat/completions", {**CHAT, "seed": 2**70}, "seed", None),
     ("/v1/chat/completions", {**CHAT, "min_tokens": 5}, "min_tokens", None),
-    ("/v1/chat/completions", {**CHAT, "logit_bias": {"1": 5}}, "logit_bias", None),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"999999": 5}}, "logit_bias", None),
     ("/v1/completions", {**COMP, "prompt": ""}, "prompt", None),
     ("/v1/completions", {**COMP, "prompt": []}, "prompt", None),
     ("/v1/completions", {**COMP, "prompt": [[]]}, "prompt", None),
