@@ -3,6 +3,7 @@
     make_tiny_model(tmp_dir, arch="llama", tie=False, **overrides) -> str   # plain function
     tiny_model_dir            (fixture) make_tiny_model(tmp_path) : a tiny random Llama dir
     smollm2_dir               (session fixture) prepare_model_dir(None) in a session tmp cache
+    server, http              (module fixtures) the session's shared server and an httpx client on it
 
 Import the function with ``from conftest import make_tiny_model`` (pytest puts tests/ on sys.path).
 """
@@ -134,3 +135,21 @@ def smollm2_engine(smollm2_dir):
     from idleless.engine.engine import Engine
 
     return Engine(model=smollm2_dir, dtype="float32", kv_cache_memory="160MiB", num_threads=TEST_THREADS)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, pytestconfig):
+    """The session's shared float32 server (``server_harness.shared_server`` with MAIN_ARGS and its API
+    key), for the server test modules; a module that needs another server defines its own ``server``."""
+    from server_harness import shared_server
+
+    return shared_server(pytestconfig)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client on ``server`` with its API key."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
+        yield c

@@ -116,13 +116,6 @@ def test_load_chat_template(tmp_path):
 # ---------------------------------------------------------------- through the server
 
 
-@pytest.fixture(scope="module")
-def http(smollm2_dir, pytestconfig):
-    srv = shared_server(pytestconfig)
-    with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=120) as c:
-        yield c
-
-
 def _generate(http, **sp) -> list[int]:
     r = http.post("/generate", json={"text": "The sky is", "sampling_params": {
         "temperature": 0, "max_new_tokens": 3, "ignore_eos": True, **sp}})

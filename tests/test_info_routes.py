@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from server_harness import MAIN_API_KEY, shared_server
+from server_harness import MAIN_API_KEY
 from idleless.config import EngineConfig
 from idleless.server import routes_admin
 from idleless.server.routes_admin import TokenRate, sglang_aggregate, sglang_load
@@ -43,18 +43,6 @@ def test_token_rate_is_the_growth_over_the_interval(monkeypatch):
     assert r.read(50) == 25.0       # 50 tokens in 2 s
     assert r.read(50) == 0.0        # none in 0.5 s
     assert r.read(60) == 5.0        # 10 in 2 s
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, pytestconfig):
-    """The session's shared float32 server (server_harness.MAIN_ARGS), with an API key."""
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
-        yield c
 
 
 def test_routes_need_the_api_key(server):

@@ -4,12 +4,10 @@ ignored; any other top-level name is refused as OpenAI refuses it ("Unrecognized
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from idleless.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                       parse_request)
-from server_harness import shared_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,13 +94,6 @@ def test_harmless_values_are_accepted(name, value):
 
 
 # ---------------------------------------------------------------- the same through a real server
-
-
-@pytest.fixture(scope="module")
-def http(smollm2_dir, pytestconfig):
-    srv = shared_server(pytestconfig)
-    with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=120) as c:
-        yield c
 
 
 @pytest.mark.parametrize("path, body, param", [

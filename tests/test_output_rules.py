@@ -16,7 +16,6 @@ import asyncio
 import json
 import random
 
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -285,15 +284,6 @@ def test_engine_stop_tokens_min_tokens_and_streams(smollm2_engine):
 
 
 # ----------------------------------------------------------------------------- server
-@pytest.fixture(scope="module")
-def http(smollm2_dir, pytestconfig):
-    from server_harness import shared_server
-
-    srv = shared_server(pytestconfig)
-    with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=120) as c:
-        yield c
-
-
 def _same_entries(a, b):
     """Chat logprob entries: the same tokens, logprobs as ``_same_logprobs``."""
     return [e["token"] for e in a] == [e["token"] for e in b] and \

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MAIN_API_KEY, shared_server
+from server_harness import MAIN_API_KEY
 
 API_KEY = MAIN_API_KEY
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,20 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, pytestconfig):
-    """The session's shared float32 server (server_harness.MAIN_ARGS), with an API key."""
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
-        yield c
 
 
 def chat(user: str, system: str | None = None) -> list[dict]:

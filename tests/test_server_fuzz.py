@@ -13,23 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_harness import shared_server
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "SmolLM2-135M-Instruct"
 EXAMPLES = int(os.environ.get("IDLELESS_FUZZ_EXAMPLES", "40"))  # per test; raise it for a longer hunt
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, pytestconfig):
-    """The session's shared server (see server_harness.shared_server)."""
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
-        yield c
 
 
 leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True)

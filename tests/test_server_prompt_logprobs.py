@@ -15,29 +15,16 @@ from __future__ import annotations
 import json
 from operator import itemgetter
 
-import httpx
 import pytest
 import torch
 
 from hf_ref import hf_logits, load_hf
-from server_harness import shared_server
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "SmolLM2-135M-Instruct"
 # our float32 engine vs transformers' float32 eager forward on the same weights: the two sum in
 # different orders through 30 layers (the offline test measured <= 1.5e-5 per logprob)
 HF_TOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, pytestconfig):
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

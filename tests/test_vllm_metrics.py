@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_harness import shared_server
 from idleless.telemetry.metrics import ServerMetrics, kv_cache_usage, kv_used_tokens
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -113,18 +111,6 @@ def test_series_exist_before_any_request_and_core_ones_wait_for_a_snapshot():
 # ------------------------------------------------------------------------------------------------
 # A real server
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(smollm2_dir, pytestconfig):
-    """The session's shared float32 server (server_harness.MAIN_ARGS), with an API key."""
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as c:
-        yield c
-
-
 def scrape(http) -> dict:
     r = http.get("/metrics")
     assert r.status_code == 200
