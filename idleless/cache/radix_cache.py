@@ -9,6 +9,12 @@ node's position because attention over a longer prefix costs more, and L is the 
 evicted node, which ages everything else). ``pin`` keeps a prefix (a system prompt, a RAG
 document) from eviction until its TTL runs out, within a capped pinned budget. With ``page_size > 1``
 only whole pages are matched and inserted. ``NoPrefixCache`` is the sibling that keeps nothing.
+
+``listener`` (None by default) hears every change to what the tree holds, for KV events
+(``idleless.router.events``): ``on_stored(tokens, start)`` when an insert adds a node (the tree
+now holds ``tokens``, of which it held ``tokens[:start]`` before), ``on_removed(tokens, start)`` when
+eviction deletes a leaf (``tokens`` is the leaf's whole path; ``tokens[:start]`` stay), and
+``on_cleared()`` on ``reset``. Splitting a node changes no held tokens and is not reported.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class RadixCache(PrefixCache):
     # for small Llama models; scales the GDSF recompute cost with depth
     GDSF_POSITION_SCALE = 3000.0
     keeps_prefixes = True
+    listener = None  # see the module docstring
 
     def __init__(self, pool: KVPool, page_size: int = 1, eviction_policy: str = "lru",
                  max_pinned_tokens: Optional[int] = None):
@@ -88,6 +95,8 @@ class RadixCache(PrefixCache):
         self.num_evicted = 0
         self.inflation = 0.0  # GDSF's L
         self.pins: dict[str, tuple[CacheHandle, float, int]] = {}  # pin id -> (handle, expiry, tokens)
+        if self.listener is not None:
+            self.listener.on_cleared()
 
     def _child_key(self, key: list[int]) -> tuple:
         return tuple(key[: self.page_size])
@@ -185,6 +194,8 @@ class RadixCache(PrefixCache):
                 self._touch(new, now, False)
                 node.children[self._child_key(rest)] = new
                 self.evictable_size += len(rest)
+                if self.listener is not None:
+                    self.listener.on_stored(key, done)
                 return done
             k = self._common_len(child.key, rest)
             if k < len(child.key):
@@ -233,6 +244,8 @@ class RadixCache(PrefixCache):
             self.pool.free(node.value)
             freed += len(node.key)
             self.evictable_size -= len(node.key)
+            if self.listener is not None:
+                self.listener.on_removed(self._path(node), node.start)
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
@@ -256,6 +269,14 @@ class RadixCache(PrefixCache):
         self.pins[pin_id] = (handle, now + ttl, n)
         return n
 
+    def _path(self, node: TreeNode) -> list[int]:
+        """The token ids from the root to the end of ``node``."""
+        parts = []
+        while node is not None:
+            parts.append(node.key)
+            node = node.parent
+        return [t for key in reversed(parts) for t in key]
+
     def _leaves(self):
         stack = [self.root]
         while stack:
@@ -270,6 +291,7 @@ class NoPrefixCache(PrefixCache):
     kept (an insert takes no slot, so a request's slots go straight back to the pool), nothing pins."""
 
     keeps_prefixes = False
+    listener = None  # never called: nothing is ever held
 
     def __init__(self, pool: KVPool, page_size: int = 1, max_pinned_tokens: Optional[int] = None):
         self.pool = pool
