@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
+from idleless.quant.spec import check_precision
+
 
 MAX_RAM_FRACTION = 0.9
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
@@ -116,6 +118,14 @@ class EngineConfig:
     speculative_ngram_min_match_window_size: int = option(1, "ngram: shortest suffix matched, tokens")
     speculative_ngram_max_match_window_size: int = option(12, "ngram: longest suffix matched, tokens")
     speculative_disable_adaptive: bool = option(False, "fixed draft length, never switched off by the cost model")
+    # precision of weights, activations and KV cache, each on its own (idleless.quant; issue 14)
+    weight_dtype: str = option("auto", "auto (as stored) | bf16 (unquantised, in --dtype) | int8 (per output "
+                               "channel) | int4 (Q4_1 blocks of 32) | fp8 (e4m3 per output channel); quantised "
+                               "at load from float checkpoints")
+    activation_dtype: str = option("bf16", "bf16 (the model dtype) | int8 (dynamic per token; needs int8 weights: "
+                                   "W8A8)")
+    kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 | int8 (scales per "
+                                 "token and KV head); 8-bit formats hold about twice the tokens")
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -129,6 +139,7 @@ class EngineConfig:
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         self._check_speculative()
+        self.kv_cache_dtype = check_precision(self.weight_dtype, self.activation_dtype, self.kv_cache_dtype)
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm

@@ -216,12 +216,19 @@ PLAIN = PlainLinearMethod()
 
 
 def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack: bool, kernels,
-                         deterministic: bool = False) -> LinearMethod:
-    """The linear method for a model, chosen once at load: AMX tiles (with oneDNN for large batches)
+                         deterministic: bool = False, weight_dtype: str = "auto",
+                         activation_dtype: str = "bf16") -> LinearMethod:
+    """The linear method for a model, chosen once at load. weight_dtype int8 / int4 / fp8 (or
+    activation_dtype int8): the quantised method of ``idleless.quant.methods`` (its ``head_method``
+    for the lm_head). Else, weights in ``dtype``: AMX tiles (with oneDNN for large batches)
     where the CPU kernels have them, else oneDNN-packed where ``can_prepack``, else, in float32 with
     the kernels, ``SmallBatchLinearMethod`` over ``F.linear``, else plain ``F.linear``; plain whenever
     ``disable_weight_prepack``. deterministic: a batch-invariant method (the kernels'
-    ``InvariantLinearMethod``, else ``TiledLinearMethod``). kernels: the model dtype's CpuKernels or None."""
+    ``InvariantLinearMethod``, else ``TiledLinearMethod``). kernels: the model dtype's CpuKernels or None.
+    Raises ValueError for a precision combination without a method."""
+    if weight_dtype not in ("auto", "bf16") or activation_dtype != "bf16":
+        from idleless.quant.methods import quantized_linear_method  # imports this module
+        return quantized_linear_method(weight_dtype, activation_dtype, deterministic)
     ours = kernels is not None and kernels.dtype == dtype
     if deterministic:
         return InvariantLinearMethod(kernels) if ours else TiledLinearMethod()

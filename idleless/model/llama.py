@@ -94,8 +94,8 @@ class LlamaForCausalLM(nn.Module):
     logprobs) takes the hidden states and computes the logits block by block.
 
     ops: the glue backend (default eager PyTorch); method: the linear method of every linear layer
-    (default plain ``F.linear``). Parameters are created uninitialised: load them with
-    ``weights.load_weights``."""
+    (default plain ``F.linear``; the lm_head takes its ``head_method`` when it has one). Parameters are
+    created uninitialised: load them with ``weights.load_weights``."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, ops: Optional[Ops] = None,
                  method: Optional[LinearMethod] = None):
@@ -109,7 +109,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # a tied lm_head shares the embedding's Parameter (its linear method still packs its own copy)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=method,
+        # a quantised method may name another for the output layer (kept at 8 bits under int4 weights)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, method=getattr(method, "head_method", method),
                               weight=self.embed_tokens.weight if cfg.tie_word_embeddings else None)
 
     @torch.inference_mode()

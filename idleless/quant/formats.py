@@ -1,0 +1,105 @@
+"""Quantised number formats: quantise and dequantise, torch ops only (any device).
+
+* int8 per output channel, symmetric: ``q = round(w / s)``, ``s = max|w_row| / 127`` (vLLM's and SGLang's
+  W8A8 int8 weights; Xiao et al., SmoothQuant, arXiv 2211.10438, for the per-token activation side).
+* fp8 e4m3 per output channel: ``q = fp8(w / s)``, ``s = max|w_row| / 448`` (vLLM's per-channel fp8).
+* GGUF Q4_0 / Q4_1 blocks of 32 along the input features (ggml's ``block_q4_0`` / ``block_q4_1``):
+  Q4_1 holds a float16 step ``d`` and minimum ``m`` per block and 4-bit codes ``c`` in 0..15, value
+  ``m + d * c``; Q4_0 a float16 step ``d``, value ``d * (c - 8)``. Codes are packed two per byte as
+  ggml does: byte j of a block holds element j in its low nibble and element j + 16 in its high one.
+* KV rows: one scale per (token, KV head), ``s = max|x| / fmax`` (127 for int8, 448 for fp8 e4m3,
+  57344 for fp8 e5m2), computed when the row is written: dynamic, never a default.
+
+A scale of 0 (an all-zero row or block) dequantises to zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q4_BLOCK = 32
+#: the largest finite magnitude of each 8-bit format, the value max|x| is mapped to
+FMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _safe(s: torch.Tensor) -> torch.Tensor:
+    return torch.where(s != 0, s, torch.ones_like(s))
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantisation with one scale per row of the last dimension.
+
+    x [..., K] float -> (q [..., K] in ``dtype`` (int8, float8_e4m3fn or float8_e5m2), scale [...] float32),
+    scale = max|x| / FMAX[dtype] over the last dimension; x ~= q * scale. int8 rounds half to even
+    (torch.round) and clamps to [-127, 127]; fp8 rounds to nearest in the format. Raises KeyError for
+    another dtype."""
+    fmax = FMAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(-1) / fmax
+    y = xf / _safe(scale)[..., None]
+    q = y.round().clamp_(-fmax, fmax).to(dtype) if dtype == torch.int8 else y.clamp_(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``quantize_rows``' inverse: q [..., K] (int8 / fp8), scale [...] float32 -> q * scale in ``dtype``
+    (the product taken in float32, rounded once)."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    if k % Q4_BLOCK:
+        raise ValueError(f"Q4 blocks need in_features divisible by {Q4_BLOCK}, got {k}")
+    return w.float().reshape(n, k // Q4_BLOCK, Q4_BLOCK)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, B, 32] in 0..15 -> ggml's packing, uint8 [N, B, 16]."""
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
+    """ggml-packed nibbles uint8 [N, B, 16] -> codes uint8 [N, B, 32] (element j low nibble of byte j,
+    element j + 16 its high nibble)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 (ggml ``quantize_row_q4_1_ref``): w [N, K] float, K % 32 == 0 -> (qs uint8 [N, K/32, 16],
+    d float16 [N, K/32], m float16 [N, K/32]); per block m = min, d = (max - min) / 15, code =
+    round((w - m) / d) clamped to 0..15 (from the float16-rounded d and m, so the codes fit the stored
+    step). Raises ValueError when K is not a multiple of 32."""
+    b = _blocks(w)
+    lo, hi = b.amin(-1), b.amax(-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    codes = ((b - m.float()[..., None]) / _safe(d.float())[..., None]).round().clamp_(0, 15).to(torch.uint8)
+    return _pack(codes), d, m
+
+
+def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Q4_1 blocks (``quantize_q4_1``' layout) -> w [N, K] in ``dtype``: m + d * code, in float32."""
+    c = unpack_q4(qs).float()
+    w = m.float()[..., None] + d.float()[..., None] * c
+    return w.reshape(w.shape[0], -1).to(dtype)
+
+
+def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 (ggml ``quantize_row_q4_0_ref``): w [N, K] float -> (qs uint8 [N, K/32, 16], d float16
+    [N, K/32]); per block, with v the element of largest magnitude (sign kept), d = v / -8 and code =
+    round(w / d + 8) clamped to 0..15, so v maps exactly to code 0. Raises ValueError when K % 32."""
+    b = _blocks(w)
+    idx = b.abs().argmax(-1, keepdim=True)
+    v = b.gather(-1, idx).squeeze(-1)
+    d = (v / -8).half()
+    codes = (b / _safe(d.float())[..., None] + 8).round().clamp_(0, 15).to(torch.uint8)
+    return _pack(codes), d
+
+
+def dequantize_q4_0(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Q4_0 blocks -> w [N, K] in ``dtype``: d * (code - 8), in float32."""
+    c = unpack_q4(qs).float() - 8
+    w = d.float()[..., None] * c
+    return w.reshape(w.shape[0], -1).to(dtype)

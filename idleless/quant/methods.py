@@ -1,0 +1,177 @@
+"""Quantised linear methods (``linear.LinearMethod``): the weight quantised once per weight change in
+``process_after_load``, read in its quantised form by ``apply``. Portable PyTorch: ``apply`` turns
+``COL_TILE`` output channels at a time back into the model dtype (a tile's worth of temporary memory,
+never the whole weight) and multiplies; W8A8 multiplies integers exactly (``torch._int_mm``).
+
+The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
+weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
+
+Formats (``formats``): ``Int8LinearMethod`` (per output channel, symmetric), ``Fp8LinearMethod`` (e4m3
+per output channel), ``Q4LinearMethod`` (GGUF Q4_1 or Q4_0 blocks of 32), ``W8A8LinearMethod`` (int8
+weights per channel, activations quantised per token at run time, int32 sums).
+
+row_tile: run the product on tiles of exactly that many rows (the last zero-padded), so the GEMM
+library sees one shape whatever the batch: batch-invariant (deterministic inference), as
+``linear.TiledLinearMethod``. W8A8 is batch-invariant as it is (integer sums are exact).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from idleless.model.linear import LinearMethod
+from idleless.quant.formats import dequantize_q4_0, dequantize_q4_1, quantize_q4_0, quantize_q4_1, quantize_rows
+
+#: output channels dequantised at a time by ``apply``
+COL_TILE = 2048
+#: rows per tile of the batch-invariant (deterministic) path
+DETERMINISTIC_ROW_TILE = 16
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """Base: ``quantize(weight) -> dict of tensors`` stored as ``layer.quant``, ``tile(layer, n0, n1,
+    dtype)`` -> the float weight rows [n1 - n0, K] (or ``scaled_tile``: rows whose products are
+    scaled by per-channel factors afterwards). ``head_method``: the method of the model's lm_head
+    (an output layer is kept at 8 bits, as llama.cpp's files keep it)."""
+
+    name = "quantized"
+
+    def __init__(self, row_tile: Optional[int] = None):
+        self.row_tile = row_tile
+        self.head_method = self
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def tile(self, layer, n0: int, n1: int, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(w [n1 - n0, K] in dtype, per-channel scale [n1 - n0] float32 to multiply the product by,
+        or None)."""
+        raise NotImplementedError
+
+    def process_after_load(self, layer) -> int:
+        layer.quant = self.quantize(layer.weight.detach())
+        return _nbytes(*layer.quant.values())
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tile is None:
+            return self._product(layer, x)
+        m, t = x.shape[0], self.row_tile
+        pad = -m % t
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        out = torch.cat([self._product(layer, part) for part in x.split(t)])
+        return out[:m] if pad else out
+
+    def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
+        n = layer.weight.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for n0 in range(0, n, COL_TILE):
+            n1 = min(n, n0 + COL_TILE)
+            w, s = self.tile(layer, n0, n1, x.dtype)
+            y = F.linear(x, w)
+            if s is not None:
+                y = (y.float() * s).to(x.dtype)
+            out[:, n0:n1] = y
+        if layer.bias is not None:
+            out += layer.bias
+        return out
+
+
+class Int8LinearMethod(QuantizedLinearMethod):
+    """int8 weights, one symmetric scale per output channel (max|w_row| / 127); the product of x with
+    the int8 values (exact in the model dtype) scaled per channel."""
+
+    name = "int8"
+    qdtype = torch.int8
+
+    def quantize(self, weight):
+        q, s = quantize_rows(weight, self.qdtype)
+        return {"q": q, "scale": s}
+
+    def tile(self, layer, n0, n1, dtype):
+        return layer.quant["q"][n0:n1].to(dtype), layer.quant["scale"][n0:n1]
+
+
+class Fp8LinearMethod(Int8LinearMethod):
+    """fp8 e4m3 weights, one scale per output channel (max|w_row| / 448)."""
+
+    name = "fp8"
+    qdtype = torch.float8_e4m3fn
+
+
+class Q4LinearMethod(QuantizedLinearMethod):
+    """4-bit weights in GGUF blocks of 32 input features (``formats``): Q4_1 (step and minimum per
+    block, the default) or Q4_0 (step only). The output layer runs in int8 (``head_method``).
+    Raises ValueError at load for in_features not divisible by 32."""
+
+    name = "int4"
+
+    def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1"):
+        super().__init__(row_tile)
+        if layout not in ("q4_0", "q4_1"):
+            raise ValueError(f"Q4 layout must be q4_0 or q4_1, got {layout!r}")
+        self.layout = layout
+        self.head_method = Int8LinearMethod(row_tile)
+
+    def quantize(self, weight):
+        if self.layout == "q4_1":
+            qs, d, m = quantize_q4_1(weight)
+            return {"qs": qs, "d": d, "m": m}
+        qs, d = quantize_q4_0(weight)
+        return {"qs": qs, "d": d}
+
+    def tile(self, layer, n0, n1, dtype):
+        qt = layer.quant
+        if self.layout == "q4_1":
+            return dequantize_q4_1(qt["qs"][n0:n1], qt["d"][n0:n1], qt["m"][n0:n1], dtype), None
+        return dequantize_q4_0(qt["qs"][n0:n1], qt["d"][n0:n1], dtype), None
+
+
+class W8A8LinearMethod(Int8LinearMethod):
+    """int8 weights per output channel and int8 activations per token (dynamic, symmetric:
+    max|x_row| / 127), multiplied as integers with int32 sums (``torch._int_mm``: exact, hence
+    batch-invariant), then scaled by x's and w's scales in float32 (SmoothQuant's W8A8 without the
+    smoothing, arXiv 2211.10438)."""
+
+    name = "w8a8"
+
+    def __init__(self, row_tile: Optional[int] = None):
+        super().__init__(None)  # exact integer sums: invariant without tiles
+        self.head_method = self
+
+    def process_after_load(self, layer) -> int:
+        q, s = quantize_rows(layer.weight.detach(), torch.int8)
+        layer.quant = {"q_t": q.t().contiguous(), "scale": s}  # [K, N]: _int_mm's right operand
+        return _nbytes(*layer.quant.values())
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        xq, sx = quantize_rows(x, torch.int8)
+        acc = torch._int_mm(xq, layer.quant["q_t"])  # int32 [M, N]
+        y = acc.float() * sx[:, None] * layer.quant["scale"]
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y.to(x.dtype)
+
+
+def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
+                            deterministic: bool = False) -> QuantizedLinearMethod:
+    """The method of ``--weight-dtype`` int8 | int4 | fp8 with ``--activation-dtype`` (int8 only with
+    int8 weights: W8A8). deterministic: batch-invariant row tiles. Raises ValueError for another
+    combination (``spec.check_precision`` refuses them earlier, at configuration)."""
+    tile = DETERMINISTIC_ROW_TILE if deterministic else None
+    if activation_dtype == "int8":
+        if weight_dtype != "int8":
+            raise ValueError(f"int8 activations need int8 weights, got weight dtype {weight_dtype!r}")
+        return W8A8LinearMethod()
+    methods = {"int8": Int8LinearMethod, "fp8": Fp8LinearMethod, "int4": Q4LinearMethod}
+    if weight_dtype not in methods:
+        raise ValueError(f"no quantised linear method for weight dtype {weight_dtype!r} "
+                         f"(quantised: {', '.join(methods)})")
+    return methods[weight_dtype](tile)
