@@ -118,6 +118,11 @@ class EngineConfig:
     speculative_ngram_min_match_window_size: int = option(1, "ngram: shortest suffix matched, tokens")
     speculative_ngram_max_match_window_size: int = option(12, "ngram: longest suffix matched, tokens")
     speculative_disable_adaptive: bool = option(False, "fixed draft length, never switched off by the cost model")
+    # KV events for a cache-aware router (idleless.router.events); vLLM's flag name
+    kv_events_config: Optional[str] = option(None, "publish the prefix cache's stored/evicted token blocks and load "
+                                             "reports over ZMQ: a JSON object, e.g. '{\"endpoint\": "
+                                             "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'; off when "
+                                             "not given")
     # precision of weights, activations and KV cache, each on its own (idleless.quant; issue 14)
     weight_dtype: str = option("auto", "auto (as stored) | bf16 (unquantised, in --dtype) | int8 (per output "
                                "channel) | int4 (Q4_1 blocks of 32) | fp8 (e4m3 per output channel); quantised "

@@ -3,12 +3,16 @@
 ``EngineCore.step()`` is plan -> execute -> commit (DESIGN.md section 7): the scheduler plans a
 ``StepPlan``, the model runner executes it (tensors, forward, sampler) and the scheduler commits the
 result. The offline ``Engine`` drives it in-process; ``core_process.EngineCoreLoop`` drives it in
-its own process for the server. It never sees text.
+its own process for the server. It never sees text. Between-step work attaches as ``after_step``
+hooks (DESIGN.md section 7): with ``kv_events_config`` set, the KV-event publisher
+(``idleless.router.events``) listens to the radix tree and sends each step's events with the
+``load_report``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from typing import Callable, Iterable, Optional
 
@@ -41,6 +45,33 @@ class EngineCore:
         self.scheduler = Scheduler(config, runner.pool, mc.vocab_size, runner.context_length, set(mc.eos_token_ids),
                                    self.proposer)
         self._pin_waiters: dict[str, tuple[str, list[int], float, PinDone]] = {}  # prefill rid -> pin
+        self.after_step: list[Callable[["EngineCore"], None]] = []  # between-step work, run after each step
+        self.kv_events = None
+        if config.kv_events_config:
+            self._attach_kv_events(config.kv_events_config)
+
+    def _attach_kv_events(self, text: str) -> None:
+        """Publish the radix tree's changes and the load report after every step (and cache flush).
+        Raises ValueError for a bad ``--kv-events-config``; zmq.ZMQError when an endpoint is taken."""
+        from idleless.router.events import KVEventPublisher, KVEventsConfig
+        cfg = KVEventsConfig.parse(text)
+        if not cfg.enable_kv_cache_events:
+            return
+        self.kv_events = KVEventPublisher(cfg)
+        self.scheduler.cache.listener = self.kv_events
+        self.after_step.append(lambda core: core.kv_events.end_step(core.load_report()))
+
+    def load_report(self) -> dict:
+        """What a router weighs a replica by: ``num_running`` / ``num_waiting`` requests,
+        ``queued_prefill_tokens`` (prompt tokens of waiting and running requests not computed yet),
+        ``kv_usage`` (share of the KV pool neither free nor evictable, 0..1), ``timestamp`` (Unix s)."""
+        sched = self.scheduler
+        queued = sum(max(0, len(r.prompt_ids) - r.num_computed) for r in (*sched.waiting, *sched.running))
+        total = sched.pool.num_slots
+        busy = total - sched.pool.num_free_slots - sched.cache.evictable_size
+        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "queued_prefill_tokens": queued, "kv_usage": round(busy / total, 4) if total else 0.0,
+                "timestamp": time.time()}
 
     def add_request(self, req: Request) -> None:
         """Queue a request; raises RequestError if it can never be served."""
@@ -73,12 +104,17 @@ class EngineCore:
         outputs = sched.take_outputs()
         if self._pin_waiters:
             outputs = [o for o in outputs if not self._pin_prefilled(o)]
+        for hook in self.after_step:
+            hook(self)
         return outputs
 
     # -- between-step operations -------------------------------------------------------------
     def flush_cache(self) -> bool:
         """Empty the prefix cache, pins included; False (nothing done) while requests run or wait."""
-        return self.scheduler.flush_cache()
+        done = self.scheduler.flush_cache()
+        for hook in self.after_step:
+            hook(self)
+        return done
 
     def add_eos_ids(self, ids: Iterable[int]) -> list[int]:
         """More token ids that end generation (e.g. the tokenizer's); returns all of them, sorted."""
