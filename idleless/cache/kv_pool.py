@@ -1,4 +1,5 @@
-"""KV memory: a fixed pool of token slots with per-layer K/V tensors.
+"""KV memory: a fixed pool of token slots with per-layer K/V tensors, in the model dtype, bfloat16, or a
+quantised format (int8 / fp8 with a scale per token and KV head: ``--kv-cache-dtype``).
 
 Every slot is owned by exactly one of: the free list, a running request, the radix tree.
 Slots are handed out in pages of ``page_size`` consecutive slots; a request's slot table fills
@@ -9,26 +10,50 @@ from __future__ import annotations
 
 import torch
 
+from idleless.quant.kv import KV_STORAGE, QuantizedKV
+
+
+def _storage(dtype: torch.dtype, cache_dtype: str | None) -> tuple[torch.dtype, bool]:
+    """(element dtype of the K/V tensors, whether it is a quantised format with scales)."""
+    if cache_dtype in (None, "auto"):
+        return dtype, False
+    if cache_dtype == "bf16":
+        return torch.bfloat16, False
+    if cache_dtype in KV_STORAGE:
+        return KV_STORAGE[cache_dtype], True
+    raise ValueError(f"kv cache dtype must be auto, bf16, {', '.join(KV_STORAGE)}, got {cache_dtype!r}")
+
 
 class KVPool:
-    """K/V tensors ``[num_layers, num_slots, num_kv_heads, head_dim]`` in ``dtype`` and a page allocator.
+    """K/V tensors ``[num_layers, num_slots, num_kv_heads, head_dim]`` and a page allocator.
 
+    dtype: the model's (what attention computes in). cache_dtype: ``--kv-cache-dtype``: None / ``auto``
+    (K/V stored in ``dtype``), ``bf16``, or a quantised format (``int8``, ``fp8_e4m3``, ``fp8_e5m2``:
+    values in int8 / float8 plus ``k_scale`` / ``v_scale`` float32 [num_layers, num_slots, num_kv_heads],
+    one scale per token and KV head, see ``idleless.quant.kv``). ``self.dtype`` is the stored element
+    dtype, ``self.quantized`` says whether scales come with it; read a layer through ``layer_kv``.
     num_slots is rounded down to a multiple of page_size. Slot indices are int64 tensors.
-    Raises ValueError if the pool would hold less than one page.
+    Raises ValueError if the pool would hold less than one page or for an unknown cache_dtype.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", page_size: int = 1):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", page_size: int = 1,
+                 cache_dtype: str | None = None):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         if self.num_pages < 1:
             raise ValueError(f"KV pool of {num_slots} slots holds no page of {page_size} tokens")
         self.num_slots = self.num_pages * page_size
-        self.dtype = dtype
+        self.compute_dtype = dtype
+        self.dtype, self.quantized = _storage(dtype, cache_dtype)
         self.device = torch.device(device)
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
+            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
         self._num_free_pages = self.num_pages
         # bumped whenever slots are freed (and so may be rewritten by their next owner): copies made from
@@ -36,9 +61,21 @@ class KVPool:
         self.free_epoch = 0
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        cache_dtype: str | None = None) -> int:
+        """Bytes of K and V for one token across all layers, scales included (a quantised format adds
+        a float32 per KV head to each of K and V). dtype, cache_dtype: as the constructor's."""
+        store, quantized = _storage(dtype, cache_dtype)
+        per_head = head_dim * torch.empty((), dtype=store).element_size() + (4 if quantized else 0)
+        return 2 * num_layers * num_kv_heads * per_head
+
+    def layer_kv(self, layer: int) -> tuple:
+        """Layer ``layer``'s (K, V) as the attention backends read them: views [num_slots, Hkv, D] of the
+        pool, or ``QuantizedKV`` views (values and scales) for a quantised format."""
+        if not self.quantized:
+            return self.k_cache[layer], self.v_cache[layer]
+        return (QuantizedKV(self.k_cache[layer], self.k_scale[layer], self.compute_dtype),
+                QuantizedKV(self.v_cache[layer], self.v_scale[layer], self.compute_dtype))
 
     @property
     def num_free_slots(self) -> int:

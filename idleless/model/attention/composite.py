@@ -125,6 +125,9 @@ class CompositeAttention:
     ``extend_backend`` (longer tails), ``segment_backend``; ``flash`` takes everything under a sliding window.
     ``use_segments`` False attends shared prefixes inside each tail.
 
+    A quantised KV pool (``KVPool.quantized``) is read by the PyTorch backends, which dequantise only
+    the rows they gather (``idleless.quant.kv``): padded flash, and its chunked twin when deterministic.
+
     deterministic: every part goes to the batch-invariant backend (``invariant.ChunkedAttention``, or
     its PyTorch twin without kernels), with shared segments aligned to its chunks, so a row's output
     does not depend on the batch; raises ValueError for a sliding-window model then."""
@@ -132,13 +135,15 @@ class CompositeAttention:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None, kernels=None, deterministic: bool = False):
         self.pool = pool
-        self._k_layers = list(pool.k_cache)  # per-layer views [num_slots, Hkv, D], made once (not per call)
-        self._v_layers = list(pool.v_cache)
+        # per-layer views [num_slots, Hkv, D] (or QuantizedKV views), made once (not per call)
+        self._k_layers, self._v_layers = map(list, zip(*(pool.layer_kv(i) for i in range(pool.k_cache.shape[0]))))
+        # the kernels read K/V stored in their own dtype only; other storage (a quantised KV cache, bf16 K/V
+        # under a float32 model) goes to the PyTorch backends, which read the rows they gather
         self.kernels = kernels if kernels is not None and kernels.dtype == pool.dtype else None
         self.sliding_window = sliding_window  # Mistral: a query sees only the last `sliding_window` keys
         self.use_segments = True
         kern = self.kernels
-        self.flash = PaddedFlashAttention(num_heads, num_kv_heads, head_dim, pool.dtype, kern)
+        self.flash = PaddedFlashAttention(num_heads, num_kv_heads, head_dim, pool.compute_dtype, kern)
         decode = FusedDecodeAttention(kern, head_dim) if kern is not None else None
         ragged = (RaggedAmxAttention(pool, kern, num_kv_heads, head_dim)
                   if RaggedAmxAttention.supports(kern, head_dim) else None)
@@ -154,7 +159,8 @@ class CompositeAttention:
                 TorchChunkedAttention(num_heads, head_dim)
             self.decode_backend = self.extend_backend = self.segment_backend = inv
             self.segment_align = inv.segment_align
-        self._write_kv = self._write_kv_kernel if kern is not None else self._write_kv_torch  # chosen once
+        self._write_kv = (self._write_kv_quantized if pool.quantized else  # chosen once
+                          self._write_kv_kernel if kern is not None else self._write_kv_torch)
 
     def prepare(self, extend_lens: list[int], prefix_lens: list[int],
                 slot_tables: list[torch.Tensor]) -> AttnMetadata:
@@ -225,6 +231,11 @@ class CompositeAttention:
     def _write_kv_kernel(self, kc, vc, k, v, loc) -> None:
         self.kernels.kv_write(kc, k, loc)
         self.kernels.kv_write(vc, v, loc)
+
+    @staticmethod
+    def _write_kv_quantized(kc, vc, k, v, loc) -> None:
+        kc.write(loc, k)
+        vc.write(loc, v)
 
     @staticmethod
     def _write_kv_torch(kc, vc, k, v, loc) -> None:
