@@ -19,9 +19,11 @@ from typing import Any, Callable, Optional
 from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
 from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, CoreFailed,
-                                      CoreReady, ErrorOutput, FlushCache, GetStats, PinPrefix, Ping, Shutdown,
-                                      UnpinPrefix)
-from idleless.engine.request import FinishReason, Request, RequestError
+                                      CoreReady, DestroyWeightsUpdateGroup, ErrorOutput, FlushCache, GetStats,
+                                      GetWeightVersion, InitWeightsUpdateGroup, PinPrefix, Ping, Shutdown, UnpinPrefix,
+                                      UpdateWeightsFromDisk, UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
+from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
+from idleless.rl.control import PendingUpdate, WeightControl
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,12 @@ class EngineCoreLoop:
     entry per verb; each handler answers through the ``Reply`` it is given, and an exception it raises
     becomes a failed reply). ``Shutdown`` ends the loop after the turn (what is left is aborted and
     reported); the loop also ends when the parent process is gone.
+
+    Weight updates (``idleless.rl.control``) are checked when their verb arrives (a refusal is
+    answered at once, nothing written) and written between two steps: at once with
+    ``flush_cache=False``, otherwise once the core has no request (``abort_all_requests`` aborts them
+    first; else the requests already in the engine finish on the old weights). Requests arriving
+    while an update waits are held back (``held``) and queued after it, so none of them mixes weights.
     """
 
     def __init__(self, core: EngineCore, pull, push, idle_poll_ms: int = 500, parent_check_s: float = 1.0):
@@ -89,7 +97,16 @@ class EngineCoreLoop:
             AddEosIds: self._add_eos_ids,
             PinPrefix: self._pin_prefix,
             UnpinPrefix: self._unpin_prefix,
+            GetWeightVersion: self._get_weight_version,
+            UpdateWeightsFromDisk: self._update_weights,
+            UpdateWeightsFromTensor: self._update_weights,
+            UpdateWeightsFromDistributed: self._update_weights,
+            InitWeightsUpdateGroup: self._init_weights_update_group,
+            DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
         }
+        self.weights = WeightControl(core)
+        self.deferred: list[tuple[PendingUpdate, Reply]] = []  # updates waiting for the core to be idle
+        self.held: list[Request] = []  # requests that arrived while an update waits
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, data: bytes) -> None:
@@ -103,7 +120,8 @@ class EngineCoreLoop:
             if isinstance(msg, AddRequest):
                 self._add(msg.request)
             elif isinstance(msg, AbortRequest):
-                self.core.abort(msg.rid)
+                if not self._drop_held(msg.rid):
+                    self.core.abort(msg.rid)
             elif isinstance(msg, ControlCall):
                 self._call(msg)
             else:
@@ -122,6 +140,9 @@ class EngineCoreLoop:
     def _add(self, req: Request) -> None:
         if not isinstance(req, Request) or not isinstance(req.rid, str):
             raise TypeError(f"AddRequest.request must be a Request, got {type(req).__name__}")
+        if self.deferred:
+            self.held.append(req)
+            return
         try:
             self.core.add_request(req)
         except RequestError as e:
@@ -178,6 +199,57 @@ class EngineCoreLoop:
     def _unpin_prefix(self, verb: UnpinPrefix, reply: Reply) -> None:
         reply.ok(self.core.unpin_prefix(verb.pin_id))
 
+    def _get_weight_version(self, verb: GetWeightVersion, reply: Reply) -> None:
+        reply.ok(self.weights.weight_version)
+
+    def _update_weights(self, verb, reply: Reply) -> None:
+        """Any ``UpdateWeightsFrom*`` verb: checked now (a refusal aborts nothing), written now with
+        ``flush_cache=False``, else deferred until the core is idle (``_run_deferred``)."""
+        pending = self.weights.prepare(verb)
+        if verb.abort_all_requests:
+            pending.num_aborted = self.weights.updater.abort_all() + self._abort_held()
+        if not pending.flush_cache:
+            reply.ok(self.weights.commit(pending).as_dict())
+        else:
+            self.deferred.append((pending, reply))
+
+    def _init_weights_update_group(self, verb: InitWeightsUpdateGroup, reply: Reply) -> None:
+        reply.ok(self.weights.init_group(verb))
+
+    def _destroy_weights_update_group(self, verb: DestroyWeightsUpdateGroup, reply: Reply) -> None:
+        reply.ok(self.weights.destroy_group(verb))
+
+    def _run_deferred(self) -> None:
+        """Between steps, once the core is idle: write the waiting updates in arrival order, answer
+        each, then queue the requests held back meanwhile."""
+        if not self.deferred or self.core.has_work():
+            return
+        updates, self.deferred = self.deferred, []
+        for pending, reply in updates:
+            try:
+                reply.ok(self.weights.commit(pending).as_dict())
+            except Exception as e:  # noqa: BLE001 - a failed write must not end the loop
+                log.exception("engine core: weight update failed")
+                reply.fail(f"{type(e).__name__}: {e}")
+        held, self.held = self.held, []
+        for req in held:
+            self._add(req)  # refusals become the request's ErrorOutput there
+
+    def _drop_held(self, rid: str) -> bool:
+        """Abort a request held back by a waiting update: it ends with finish_reason ``abort``."""
+        for i, req in enumerate(self.held):
+            if req.rid == rid:
+                del self.held[i]
+                self.pending.append(RequestOutput(rid, [], FinishReason.ABORT, prompt_tokens=len(req.prompt_ids)))
+                return True
+        return False
+
+    def _abort_held(self) -> int:
+        n = len(self.held)
+        for req in list(self.held):
+            self._drop_held(req.rid)
+        return n
+
     # -- loop ----------------------------------------------------------------------------------
     def _drain(self, timeout_ms: int) -> None:
         import zmq
@@ -208,7 +280,8 @@ class EngineCoreLoop:
         """Abort every request in the core and report each with an ErrorOutput (code
         ``internal_error``); calls still waiting (pins being prefilled) fail with ``why``."""
         sched = self.core.scheduler
-        rids = [r.rid for r in list(sched.waiting) + list(sched.running)]
+        rids = [r.rid for r in list(sched.waiting) + list(sched.running)] + [r.rid for r in self.held]
+        self.held, self.deferred = [], []  # their replies are failed with the other open calls below
         for rid in rids:
             try:
                 self.core.abort(rid)
@@ -235,7 +308,7 @@ class EngineCoreLoop:
         clock = sched.clock
         clock.reset()
         while self.running:
-            busy = self.core.has_work()
+            busy = self.core.has_work() or bool(self.deferred)
             if not busy:
                 if sched.tracer is not None:
                     sched.tracer.flush()  # a run's trace is complete on disk once the engine idles
@@ -243,6 +316,7 @@ class EngineCoreLoop:
                 self.pull.poll(self.idle_poll_ms)
                 clock.mark("idle_no_work")
             self._drain(0)
+            self._run_deferred()
             clock.mark("io")
             if not self._parent_alive():
                 log.warning("engine core: the frontend process is gone; exiting")
@@ -256,7 +330,7 @@ class EngineCoreLoop:
             self._flush()
             clock.mark("io")
         # shutdown: whatever is left is aborted and reported, and every call still open is answered
-        if self.core.has_work():
+        if self.core.has_work() or self.held:
             self._fail_all("the server is shutting down")
         for reply in list(self.open_calls.values()):
             reply.fail("the engine core is shutting down")

@@ -11,6 +11,11 @@ None for the first prompt token, then an ``idleless.engine.request.PromptLogprob
 logprob, rank, top k) per prompt token; ``max_new_tokens=0`` scores a text without generating.
 ``generate_stream`` is an async generator of ``CompletionDelta`` for one prompt. Both may be used
 at once: whichever thread steps the engine dispatches outputs to their owners.
+
+Weights are replaced in place with SGLang's calls (``update_weights_from_tensor`` with (name, tensor)
+pairs, ``update_weights_from_disk``, the ``*_weights_update_group`` trio and
+``update_weights_from_distributed``; ``get_weight_version``), checked first and written between steps
+(``idleless.rl``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence,
 
 from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
+from idleless.engine.messages import (DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDisk,
+                                      UpdateWeightsFromDistributed)
 from idleless.engine.request import RequestError, RequestOutput, SamplingParams
+from idleless.rl.control import PendingUpdate, WeightControl
 from idleless.text.output import CompletionDelta, CompletionOutput, RequestState, fan_out
 from idleless.telemetry.timing import LoopReporter
 from idleless.text.tokenizer import Tokenizer
@@ -68,6 +76,7 @@ class Engine:
         self._wake = threading.Event()
         self._loop_thread: Optional[threading.Thread] = None
         self._reporter = LoopReporter()
+        self.weights = WeightControl(self.core)
         self.core.scheduler.clock.reset()  # account from the end of loading
 
     # -- prompts -----------------------------------------------------------------------------
@@ -282,3 +291,70 @@ class Engine:
         """Empty the radix cache (False while requests run)."""
         with self._lock:
             return self.core.flush_cache()
+
+    # -- weight updates (idleless.rl) --------------------------------------------------------
+    def get_weight_version(self) -> str:
+        """The weights' version label: "default" until an update names one."""
+        return self.weights.weight_version
+
+    def update_weights_from_tensor(self, named_tensors, weight_version: Optional[str] = None,
+                                   flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+        """Write (HF name, tensor) pairs into the served model (a subset of the weights is fine; any
+        floating dtype and device, cast on the write). Checked first: raises WeightUpdateError
+        (a RequestError) for an unknown name, a name twice, a non-float tensor or another shape, and
+        nothing is written. Then written between steps: with ``flush_cache`` (default) once no request
+        runs (the requests already queued finish first on the old weights, unless
+        ``abort_all_requests`` ends them with finish_reason ``abort``) and the prefix cache is emptied;
+        with ``flush_cache=False`` at once, the cache kept. Returns ``UpdateResult.as_dict()``
+        (success, weight_version, num_tensors, flushed_cache, num_aborted_requests, seconds)."""
+        with self._lock:
+            pending = self.weights.check(list(named_tensors), False, flush_cache, weight_version)
+        return self._commit_update(pending, abort_all_requests)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
+                                 flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+        """Replace every weight with the checkpoint at ``model_path`` (an HF directory or GGUF file of
+        the same model shape), as ``update_weights_from_tensor`` otherwise. Raises WeightUpdateError
+        for an unreadable path, another shape, or a missing, unknown or misshapen tensor."""
+        verb = UpdateWeightsFromDisk(model_path, weight_version, flush_cache, abort_all_requests)
+        with self._lock:
+            pending = self.weights.prepare(verb)
+        return self._commit_update(pending, abort_all_requests)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weights_update_group", backend: str = "gloo",
+                                  timeout_s: float = 300.0) -> bool:
+        """Join a trainer's weights-update group as rank ``rank_offset`` (the trainer is rank 0 and
+        hosts the store at master_address:master_port); blocks until all ranks joined. Raises
+        WeightUpdateError when the rendezvous fails or a group is joined already."""
+        with self._lock:
+            return self.weights.init_group(InitWeightsUpdateGroup(master_address, master_port, rank_offset,
+                                                                  world_size, group_name, backend, timeout_s))
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = "weights_update_group",
+                                        weight_version: Optional[str] = None, flush_cache: bool = True,
+                                        abort_all_requests: bool = False) -> dict:
+        """Receive one broadcast from the trainer's rank 0 per name (dtype name, shape), then update as
+        ``update_weights_from_tensor``. Raises WeightUpdateError when the broadcast fails (the group
+        is dropped) or the tensors do not fit."""
+        verb = UpdateWeightsFromDistributed(names, dtypes, shapes, group_name, weight_version, flush_cache,
+                                            abort_all_requests)
+        with self._lock:
+            pending = self.weights.prepare(verb)
+        return self._commit_update(pending, abort_all_requests)
+
+    def destroy_weights_update_group(self, group_name: str = "weights_update_group") -> bool:
+        """Leave the weights-update group; WeightUpdateError if no such group is joined."""
+        with self._lock:
+            return self.weights.destroy_group(DestroyWeightsUpdateGroup(group_name))
+
+    def _commit_update(self, pending: PendingUpdate, abort_all_requests: bool) -> dict:
+        with self._lock:
+            if abort_all_requests:
+                pending.num_aborted = self.weights.updater.abort_all()
+        while True:
+            with self._lock:
+                if not pending.flush_cache or not self.core.has_work():
+                    return self.weights.commit(pending).as_dict()
+            if not self._step_once():
+                self._wake.wait(0.001)

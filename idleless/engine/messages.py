@@ -9,7 +9,8 @@ Core -> frontend (one pickled list per loop turn):
   ``RequestOutput`` / ``ErrorOutput`` per request, ``ControlReply``, and once at start-up
   ``CoreReady`` or ``CoreFailed``.
 
-A new verb (update weights, pause, continue, load report, ...) is a new ``ControlVerb`` subclass here
+Weight updates (``UpdateWeightsFrom*``, the update group verbs, ``GetWeightVersion``) are handled
+through the same table, between steps (``idleless.rl``). A new verb (pause, continue, load report, ...) is a new ``ControlVerb`` subclass here
 plus one entry in the loop's handler table; the frontend sends it with ``EngineClient.call(verb)``.
 """
 
@@ -110,6 +111,85 @@ class UnpinPrefix(ControlVerb):
     pinned, expired, or flushed)."""
 
     pin_id: str
+
+
+@dataclass(frozen=True)
+class GetWeightVersion(ControlVerb):
+    """The served weights' version label (SGLang's ``weight_version``). Result: the string."""
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDisk(ControlVerb):
+    """Replace every weight with the checkpoint at ``model_path`` (an HF directory or a GGUF file of
+    the served model's shape). Read and checked at once; written between two steps once no request
+    runs (``abort_all_requests`` aborts them first; ``flush_cache=False``: written at once, running
+    requests go on with the new weights and the prefix cache is kept). Result:
+    ``UpdateResult.as_dict()``. Refused (nothing written) for an unreadable path, another shape, a
+    missing, unknown or misshapen tensor."""
+
+    model_path: str
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromTensor(ControlVerb):
+    """Update the weights named in a shared tensor file (``idleless.rl.shm``: ``shm_path`` and one
+    ``TensorSpec`` per tensor; a subset of the weights is fine), as ``UpdateWeightsFromDisk`` otherwise.
+    The file must stay until the reply. Result: ``UpdateResult.as_dict()``."""
+
+    shm_path: str
+    tensors: tuple  # of idleless.rl.shm.TensorSpec
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+
+
+@dataclass(frozen=True)
+class InitWeightsUpdateGroup(ControlVerb):
+    """Join the trainer's weights-update group as rank ``rank_offset`` (``idleless.rl.distributed``);
+    blocks the engine until every rank joined or ``timeout_s`` passed. Result: ``True``; refused when
+    the rendezvous fails or a group is already joined."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weights_update_group"
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDistributed(ControlVerb):
+    """Receive one broadcast from rank 0 per name (dtype and shape given) in the group ``group_name``,
+    at once, then update as ``UpdateWeightsFromDisk`` (a subset is fine). Result:
+    ``UpdateResult.as_dict()``; refused when the broadcast fails (the broken group is dropped) or the
+    tensors do not fit the model."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = "weights_update_group"
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", tuple(self.names))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        object.__setattr__(self, "shapes", tuple(tuple(s) for s in self.shapes))
+
+
+@dataclass(frozen=True)
+class DestroyWeightsUpdateGroup(ControlVerb):
+    """Leave the weights-update group ``group_name``. Result: ``True``; refused for an unknown group."""
+
+    group_name: str = "weights_update_group"
 
 
 @dataclass(frozen=True)

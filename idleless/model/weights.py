@@ -1,7 +1,8 @@
 """Weights loaded by name: any iterable of (checkpoint name, tensor) into a model's parameters.
 
 The source does not matter (safetensors shards, a GGUF conversion, tensors from a trainer); start-up
-and every later weight update go through ``load_weights``. The model maps each checkpoint name to one
+and every later weight update go through ``load_weights`` (or its two halves: ``plan_weight_writes``
+checks, ``write_weights`` writes, so an update can be checked now and written between two steps). The model maps each checkpoint name to one
 of its parameters and a shard (``model.checkpoint_target(name)``: fused q/k/v and gate/up take their
 pieces as shards, a tied lm_head is skipped); the parameter's own loader (``param.weight_loader``, e.g.
 ``linear.StackedShards``; by default the whole parameter) says which part of it a shard fills, as
@@ -12,7 +13,7 @@ so packed copies always follow the weights.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -32,25 +33,35 @@ class WholeParameter:
         return param.data
 
 
-def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 require_all: bool = False) -> int:
-    """Copy (checkpoint name, tensor) pairs into ``model`` by name, then re-process every linear method.
+class WeightWrites(NamedTuple):
+    """A checked weight change: (destination view of a parameter, source tensor) pairs, ready to write."""
+
+    writes: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def __len__(self) -> int:
+        return len(self.writes)
+
+
+def plan_weight_writes(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       require_all: bool = False) -> WeightWrites:
+    """Check (checkpoint name, tensor) pairs against ``model`` and say where each goes, writing nothing.
 
     Args:
         model: a module with ``checkpoint_target(name) -> (parameter name, shard id) | None`` (None: a
             tensor the model does not use, skipped), e.g. ``LlamaForCausalLM``.
         named_tensors: HF-named floating-point tensors of the parameters' shapes (any dtype and
-            device: cast and copied into the parameters). A subset is fine (a partial update); all
-            of them are held until written, so an iterator over shards is read whole first.
-        require_all: also require every parameter (every shard of a fused one) to be given (start-up).
+            device: cast on the write). A subset is fine (a partial update); all of them are held until
+            written, so an iterator over shards is read whole first.
+        require_all: also require every parameter (every shard of a fused one) to be given (start-up,
+            a whole checkpoint).
 
     Returns:
-        Bytes the linear methods hold beyond the parameters (packed copies).
+        WeightWrites for ``write_weights``.
 
     Raises:
         ValueError: a name the model has no parameter for, a name given twice, a tensor that is not
             floating point or whose shape differs from its target's, or (require_all) parameters left
-            unset. The message names the tensor. Nothing is written then: the model keeps its weights.
+            unset. The message names the tensor.
     """
     params = dict(model.named_parameters())  # a shared (tied) parameter appears once
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -82,7 +93,25 @@ def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"weights missing for parameters {missing[:5]}{more}")
+    return WeightWrites(writes)
+
+
+def write_weights(model: nn.Module, planned: WeightWrites) -> int:
+    """Write a checked change (``plan_weight_writes``) into ``model``'s parameters (cast to their dtype),
+    then re-process every linear method. Returns the bytes the linear methods hold beyond the
+    parameters (packed copies)."""
     with torch.no_grad():
-        for dest, tensor in writes:
+        for dest, tensor in planned.writes:
             dest.copy_(tensor)
     return process_linear_methods(model)
+
+
+def load_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 require_all: bool = False) -> int:
+    """Copy (checkpoint name, tensor) pairs into ``model`` by name, then re-process every linear method:
+    ``write_weights(model, plan_weight_writes(model, named_tensors, require_all))``.
+
+    Returns the bytes the linear methods hold beyond the parameters (packed copies). Raises ValueError
+    as ``plan_weight_writes`` does, before anything is written: the model then keeps its weights.
+    """
+    return write_weights(model, plan_weight_writes(model, named_tensors, require_all))

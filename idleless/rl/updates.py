@@ -1,0 +1,131 @@
+"""Weight updates of a running engine core, applied between two steps (SGLang's update_weights_* verbs).
+
+``WeightUpdater`` is attached to an ``EngineCore`` and owns its weight version (SGLang's
+``weight_version``, "default" until an update names one). An update is:
+
+1. read and check everything (``read_checkpoint`` for a directory; ``WeightUpdater.check``: the by-name
+   loader's first half checks every name, shape and dtype), so a bad update leaves the old weights serving;
+2. write them through the by-name loader's second half (``weights.write_weights``), which then
+   re-processes every linear method (re-packed copies follow the new weights);
+3. empty the prefix cache unless ``flush_cache=False`` (KV computed with the old weights is never reused).
+
+The caller picks the moment: the engine-core loop and the offline ``Engine`` run an update only while
+no step is in progress, and with ``flush_cache`` only once the core is idle (``abort_all`` empties it
+first). Nothing here touches the scheduler's queues except through ``EngineCore.abort``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from idleless.errors import RequestError
+from idleless.model.weights import WeightWrites, plan_weight_writes, write_weights
+
+DEFAULT_WEIGHT_VERSION = "default"
+
+# ModelConfig fields two checkpoints must share for one to replace the other's weights in place
+_SAME_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                      "attention_bias", "rms_norm_eps", "rope_theta", "rope_scaling", "sliding_window",
+                      "hidden_act")
+
+
+class WeightUpdateError(RequestError):
+    """A refused weight update (the caller's fault: unreadable path, missing or unknown tensor, wrong
+    shape or dtype, a model of another shape). Nothing was written: the old weights keep serving."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message, param=param, code="invalid_weight_update")
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What an applied update reports: the weight version now, tensors written, whether the prefix
+    cache was emptied, requests aborted for it, and the seconds spent writing and re-processing."""
+
+    weight_version: str
+    num_tensors: int
+    flushed_cache: bool
+    num_aborted: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"success": True, "message": f"updated {self.num_tensors} tensors", "weight_version":
+                self.weight_version, "num_tensors": self.num_tensors, "flushed_cache": self.flushed_cache,
+                "num_aborted_requests": self.num_aborted, "seconds": round(self.seconds, 6)}
+
+
+def read_checkpoint(model_path: str, runner) -> dict[str, torch.Tensor]:
+    """All tensors of the HF model directory (or GGUF file) ``model_path``, cast to the runner's dtype,
+    after checking that its config.json describes a model of the same shape as the one served.
+
+    Raises WeightUpdateError (param ``model_path``) for a path that cannot be read or converted, a
+    checkpoint lacking tensors, or a config of another architecture or size."""
+    from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
+    try:
+        model_dir = prepare_model_dir(model_path)
+        new = load_model_config(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise WeightUpdateError(f"cannot read the model at {model_path!r}: {e}", param="model_path") from None
+    cur = runner.model_config
+    diff = [f"{f}: {getattr(new, f)!r} (served: {getattr(cur, f)!r})" for f in _SAME_SHAPE_FIELDS
+            if getattr(new, f, None) != getattr(cur, f, None)]
+    if diff:
+        raise WeightUpdateError(f"the model at {model_path!r} is not the served model's shape: " + "; ".join(diff),
+                                param="model_path")
+    try:
+        return load_state_dict(model_dir, runner.dtype)
+    except (OSError, ValueError) as e:
+        raise WeightUpdateError(f"cannot read the weights at {model_path!r}: {e}", param="model_path") from None
+
+
+class WeightUpdater:
+    """Applies weight updates to ``core`` (an ``EngineCore``) and keeps its weight version.
+
+    ``weight_version``: a label the caller chooses (SGLang's), "default" at start-up, replaced by each
+    update that names one."""
+
+    def __init__(self, core):
+        self.core = core
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+
+    def abort_all(self) -> int:
+        """Abort every waiting and running request (each reported with finish_reason ``abort`` at the
+        core's next step, its KV freed now). Returns how many."""
+        sched = self.core.scheduler
+        rids = [r.rid for r in list(sched.waiting) + list(sched.running)]
+        for rid in rids:
+            self.core.abort(rid)
+        return len(rids)
+
+    def check(self, named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = False) -> WeightWrites:
+        """Check HF-named tensors against the served model, writing nothing (``plan_weight_writes``): a
+        subset updates those parameters only; ``require_all`` requires every one, as a whole checkpoint
+        must. Raises WeightUpdateError for an unknown name, a name twice, a tensor that is not floating
+        point or of another shape, or (require_all) a missing tensor."""
+        try:
+            return plan_weight_writes(self.core.runner.model, named_tensors, require_all=require_all)
+        except ValueError as e:
+            raise WeightUpdateError(f"weight update refused, the old weights keep serving: {e}") from None
+
+    def commit(self, planned: WeightWrites, *, flush_cache: bool = True, weight_version: Optional[str] = None,
+               num_aborted: int = 0) -> UpdateResult:
+        """Write a checked update (``check``) and re-process every linear method, then empty the prefix
+        cache unless ``flush_cache`` is False, then take ``weight_version`` if given.
+
+        Call between steps; with ``flush_cache`` only while the core has no request (the cache holds KV
+        of running requests otherwise): RuntimeError, nothing written, if requests run or wait."""
+        sched = self.core.scheduler
+        if flush_cache and (sched.running or sched.waiting):
+            raise RuntimeError("a weight update that flushes the cache must run while no request runs or waits")
+        t0 = time.perf_counter()
+        runner = self.core.runner
+        runner.prepacked_bytes = write_weights(runner.model, planned)
+        flushed = bool(flush_cache and self.core.flush_cache())
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return UpdateResult(self.weight_version, len(planned), flushed, num_aborted, time.perf_counter() - t0)
