@@ -385,8 +385,9 @@ class IncrementalDetokenizer:
     emitted anyway so the window (and the cost per token) stays bounded; (2) tokenizers' ByteFallback
     decoder (Llama 2 style '<0xAB>' pieces) renders a whole run of byte tokens as U+FFFDs when the run
     is invalid, so a byte already emitted as a valid character may later show as U+FFFD in the full
-    decode. Like vLLM, a step whose text ends mid-character is held back whole (not just the partial
-    character), so a delta never contains the U+FFFD of an unfinished character.
+    decode. A step whose text ends mid-character emits the longest run of its ids that ends on a
+    whole character and holds the rest, so a delta never contains the U+FFFD of an unfinished
+    character however many ids a step brings (a speculative verify brings several).
 
     Args:
         tokenizer: ``Tokenizer``.
@@ -412,16 +413,31 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _slide(self) -> None:
-        # Drop ids left of the window so memory stays O(window), then move the offsets.
+    def _slide(self, to: Optional[int] = None) -> None:
+        # Emit ids[read:to] (default: all): drop ids left of the old read offset so memory stays
+        # O(window); the emitted ids become the next window's context.
+        to = len(self._ids) if to is None else to
         drop = self._read_offset
         self._ids = self._ids[drop:]
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._read_offset = to - drop
         self._prefix_text = None
 
+    @property
+    def num_pending(self) -> int:
+        """Ids added whose text is still held back (the tail of an unfinished character)."""
+        return len(self._ids) - self._read_offset
+
+    def _complete(self, text: str, prefix_text: str) -> bool:
+        return len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT_CHAR)
+
     def add(self, new_ids: Sequence[int]) -> str:
-        """Append sampled ids (any number, may be empty); return the newly final text ('' if held)."""
+        """Append sampled ids (any number, may be empty); return the newly final text ('' if held).
+
+        A multi-id add (a speculative verify's accepted run) whose text ends mid-character emits
+        its longest prefix of ids that ends on a whole character and holds the rest, so repeated
+        runs that each end mid-character never pile up past ``max_pending_tokens``.
+        """
         new_ids = [int(new_ids)] if isinstance(new_ids, int) else [int(i) for i in new_ids]
         if not new_ids:
             return ""
@@ -431,9 +447,16 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         prefix_text = self._prefix_text
         new_text = self._decode(self._ids[self._prefix_offset:])
-        pending = len(self._ids) - self._read_offset
-        if (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)) and \
-                pending <= self.max_pending_tokens:
+        if self._complete(new_text, prefix_text):
+            delta = new_text[len(prefix_text):]
+            self._slide()
+            return delta
+        for end in range(len(self._ids) - 1, len(self._ids) - len(new_ids), -1):
+            text = self._decode(self._ids[self._prefix_offset:end])
+            if self._complete(text, prefix_text):
+                self._slide(end)
+                return text[len(prefix_text):]
+        if len(self._ids) - self._read_offset <= self.max_pending_tokens:
             return ""
         delta = new_text[len(prefix_text):]
         self._slide()
@@ -638,8 +661,9 @@ class TextStream:
         self._detok_held += len(ids)
         piece = self.detokenizer.add(ids)
         if piece:
-            self._units.append((self._detok_held, len(piece)))
-            self._detok_held = 0
+            held = self.detokenizer.num_pending  # a partial character's ids stay for the next unit
+            self._units.append((self._detok_held - held, len(piece)))
+            self._detok_held = held
         return self.matcher.feed(piece, can_match)
 
     def _release(self, piece: str) -> str:
