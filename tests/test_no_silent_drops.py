@@ -22,7 +22,7 @@ ASKING = {
     "regex": "a+", "ebnf": "root ::= 'a'", "json_schema": {"type": "object"}, "structural_tag": "{}",
     "response_format": {"type": "json_object"}, "use_beam_search": True, "length_penalty": 0.5,
     "bad_words": ["x"], "allowed_token_ids": [1, 2], "truncate_prompt_tokens": 5, "return_tokens_as_token_ids": True,
-    "spaces_between_special_tokens": False, "priority": 3, "cache_salt": "s", "kv_transfer_params": {},
+    "spaces_between_special_tokens": False, "cache_salt": "s", "kv_transfer_params": {},
     "vllm_xargs": {}, "logits_processors": ["p"], "return_hidden_states": True, "lora_path": "l",
     "mm_processor_kwargs": {}, "no_stop_trim": True, "custom_logit_processor": "c",
 }
@@ -34,7 +34,7 @@ COMP_ASKING = {**ASKING, "add_special_tokens": False}
 GEN_ASKING = {"image_data": "x", "audio_data": "x", "video_data": "x", "input_embeds": [[0.0]], "lora_path": "l",
               "lora_id": "l", "custom_logit_processor": "c", "session_params": {}, "token_ids_logprob": [1],
               "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1, "data_parallel_rank": 0,
-              "modalities": ["image"], "return_hidden_states": True, "priority": 2}
+              "modalities": ["image"], "return_hidden_states": True}
 GEN_SAMPLING_ASKING = {"regex": "a+", "ebnf": "root ::= 'a'", "json_schema": "{}", "structural_tag": "{}",
                        "custom_params": {"a": 1}, "stop_regex": "a", "no_stop_trim": True,
                        "spaces_between_special_tokens": False, "sampling_seed": 3}
@@ -101,7 +101,6 @@ def test_harmless_values_are_accepted(name, value):
     ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {**CHAT, "tools": CHAT_ASKING["tools"]}, "tools"),
-    ("/v1/chat/completions", {**CHAT, "priority": 5}, "priority"),
     ("/v1/chat/completions", {**CHAT, "nonsense_field": 1}, "nonsense_field"),
     ("/v1/completions", {**COMP, "guided_regex": "a+"}, "guided_regex"),
     ("/v1/completions", {**COMP, "regex": "a+"}, "regex"),

@@ -116,11 +116,11 @@ class ServerContext:
         except RequestError as e:
             raise APIError.from_request_error(e, PARAM_NAMES) from None
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
-        """``EngineClient.submit`` with its refusals as APIErrors: 400 (RequestError), 503 (overloaded
+    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> Submission:
+        """``EngineClient.submit`` (``priority``: higher is admitted first) with its refusals as APIErrors: 400 (RequestError), 503 (overloaded
         or draining, Retry-After 1; engine gone, Retry-After 5)."""
         try:
-            return self.client.submit(prompts, params)
+            return self.client.submit(prompts, params, priority)
         except RequestError as e:
             raise APIError.from_request_error(e, PARAM_NAMES) from None
         except Overloaded as e:

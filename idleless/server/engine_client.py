@@ -368,9 +368,11 @@ class EngineClient:
         so nothing doomed is sent. Returns the effective max_new_tokens; raises RequestError."""
         return check_request(prompt_ids, params, self.limits)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> Submission:
         """Queue ``params.n`` engine requests per prompt (``idleless.text.output.fan_out``, as the
-        offline Engine does). All or nothing. Raises RequestError (check_request, first),
+        offline Engine does). ``priority``: higher is admitted first and retracted last (the engine's
+        ``Request.priority``; every scheduling policy orders by it first). All or nothing. Raises
+        RequestError (check_request, first),
         EngineDeadError, Overloaded (in-flight limit, or draining after SIGTERM)."""
         if self.dead or self.stopping:
             raise EngineDeadError("the engine core is not running")
@@ -388,7 +390,7 @@ class EngineClient:
             raise Overloaded(f"{self.num_inflight} requests in flight; the limit is {self.max_inflight} "
                              f"(--max-running-requests + --max-queued-requests)")
         now = time.monotonic()
-        choices = fan_out(uuid.uuid4().hex[:16], prompts, params, self.tokenizer)
+        choices = fan_out(uuid.uuid4().hex[:16], prompts, params, self.tokenizer, priority)
         sub = Submission(self, [st for st, _ in choices], now)
         for st, _ in choices:
             self._tracks[st.rid] = _Track(st, sub, now)

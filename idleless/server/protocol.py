@@ -12,7 +12,7 @@ is one of three kinds (``_Checked.check_fields``):
   OpenAI's bookkeeping fields): accepted and ignored, as OpenAI's own API ignores them for output;
 - known but not implemented (OpenAI's ``response_format`` other than text, ``tools``,
   ``tool_choice``, ``audio``, ...; vLLM's ``guided_*``, ``structured_outputs``, ``use_beam_search``,
-  ``bad_words``, ``priority`` other than 0, ...; SGLang's ``regex``, ``ebnf``, ``json_schema``,
+  ``bad_words``, ...; SGLang's ``regex``, ``ebnf``, ``json_schema``,
   ``lora_path``, ...): a 400 (``unsupported_parameter``) naming it in ``param``, unless its value
   asks for nothing (null, the field's default, an empty list) — so a client never gets an
   unconstrained 200 for a constrained request.
@@ -193,7 +193,7 @@ _EXTRAS = {
     **_STRUCTURED,
     "use_beam_search": OFF_BOOL, "length_penalty": (None, 1.0, 1), "bad_words": OFF, "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": OFF_BOOL,
-    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "cache_salt": (None,),
+    "spaces_between_special_tokens": (None, True), "cache_salt": (None,),
     "kv_transfer_params": (None,), "vllm_xargs": (None,), "logits_processors": OFF, "return_hidden_states": OFF_BOOL,
     "lora_path": (None,), "mm_processor_kwargs": (None,), "no_stop_trim": OFF_BOOL, "custom_logit_processor": (None,),
     "response_format": (None, {"type": "text"}),
@@ -248,6 +248,7 @@ class _SamplingRequest(_Checked):
     skip_special_tokens: Optional[bool] = True
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
+    priority: Optional[StrictInt] = 0  # vLLM's: higher is admitted first and retracted last
 
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -496,14 +497,14 @@ class GenerateRequest(_Checked):
     token's text. The prompt's entries are set with these, not in ``sampling_params``.
 
     SGLang's names this server does not implement are refused (module docstring): at the top level
-    (``image_data``, ``lora_path``, ``return_hidden_states``, ``priority`` other than 0, ...) and in
+    (``image_data``, ``lora_path``, ``return_hidden_states``, ...) and in
     ``sampling_params`` (``regex``, ``ebnf``, ``json_schema``, ``structural_tag``, ...)."""
 
     IGNORED: ClassVar[frozenset] = frozenset({"log_metrics"})
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {name: (None,) for name in (
         "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "lora_id", "custom_logit_processor",
         "session_params", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-        "data_parallel_rank", "modalities")} | {"return_hidden_states": OFF_BOOL, "priority": (None, 0)}
+        "data_parallel_rank", "modalities")} | {"return_hidden_states": OFF_BOOL}
     SAMPLING_UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **{k: OFF for k in ("regex", "ebnf", "json_schema", "structural_tag", "custom_params", "stop_regex")},
         "no_stop_trim": OFF_BOOL, "spaces_between_special_tokens": (None, True), "sampling_seed": (None,)}
@@ -518,6 +519,7 @@ class GenerateRequest(_Checked):
     logprob_start_len: Optional[StrictInt] = -1
     top_logprobs_num: Optional[StrictInt] = 0
     return_text_in_logprobs: Optional[StrictBool] = False
+    priority: Optional[StrictInt] = 0  # SGLang's: higher is admitted first and retracted last
 
     def params(self) -> SamplingParams:
         allowed = set(SamplingParams.__dataclass_fields__) - {"prompt_logprobs", "prompt_logprobs_start"}

@@ -101,7 +101,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         except (TypeError, ValueError) as e:
             raise APIError(400, f"bad sampling_params: {e}", param="sampling_params", code="invalid_value") from None
         ids = list(req.input_ids) if req.input_ids is not None else await ctx.encode(req.text, "text")
-        sub = ctx.submit([ids], params)
+        sub = ctx.submit([ids], params, req.priority or 0)
 
         lp = LogprobMeta(bool(req.return_logprob), req.logprob_start_len, params.top_logprobs > 0,
                          tok if req.return_text_in_logprobs else None)

@@ -122,7 +122,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         model = ctx.check_model(req.model)
         params = req.sampling_params()
         ids = await ctx.render_chat([m.to_template() for m in req.messages], **req.template_kwargs())
-        sub = ctx.submit([ids], params)
+        sub = ctx.submit([ids], params, req.priority or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint
 
@@ -165,7 +165,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                     ctx.check_request(ids, params)  # before decoding ids that may be out of the vocabulary
                     t = tok.decode(ids, skip_special_tokens=False)
                 echo_texts.append(t)
-        sub = ctx.submit(prompts, params)
+        sub = ctx.submit(prompts, params, req.priority or 0)
         n = params.n
         rid = f"cmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint
