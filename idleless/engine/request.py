@@ -43,13 +43,17 @@ class Request:
 
     One sequence: a request with n > 1 is n of these sharing a prompt. Frozen; the engine keeps its
     own ``RequestRecord`` (progress, KV slots, cache handle, seed) built from it at admission.
-    ``priority``: higher is admitted first and retracted last. ``arrival_time``: time.monotonic() s."""
+    ``priority``: higher is admitted first and retracted last. ``arrival_time``: time.monotonic() s.
+    ``kv_transfer_params``: vLLM's field for prefill/decode disaggregation; on a decode engine,
+    ``{"do_remote_prefill": True, "remote_host": ..., "remote_port": ...}`` names the prefill engine
+    whose KV of this prompt is pulled before the request is queued (``idleless.disagg``)."""
 
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass(eq=False)
