@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from idleless.server import routes_admin, routes_native, routes_openai
+from idleless.server import routes_admin, routes_native, routes_openai, routes_rl
 from idleless.server.asgi import APIKeyMiddleware
 from idleless.server.context import ServerContext, ServerSettings
 from idleless.server.engine_client import EngineClient
@@ -76,6 +76,6 @@ def build_app(client: EngineClient, settings: ServerSettings, metrics: Optional[
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     _add_error_handlers(app, metrics)
     ctx = ServerContext(client, settings, metrics)
-    for routes in (routes_openai, routes_native, routes_admin):
+    for routes in (routes_openai, routes_native, routes_admin, routes_rl):
         routes.register(app, ctx)
     return app

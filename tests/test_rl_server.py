@@ -1,0 +1,164 @@
+"""RL routes of a real server (issue 16): a server started on tiny random model A gets B's weights by
+each path (shared-memory tensors, disk, a gloo broadcast from a trainer process) and must then answer as a
+fresh offline engine built on B (the independent reference); refused updates are 400s and A keeps
+serving; a prompt cached before an update has cached_tokens 0 after it; a request streaming during an
+update finishes on the old weights (or ends with abort when asked); a trainer that dies mid-broadcast
+leaves the engine serving its old weights, able to join a new group.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import TEST_THREADS, make_tiny_model
+from server_harness import ServerProcess, free_port
+from test_rl_updates import checkpoint
+
+from idleless.engine.engine import Engine
+from idleless.rl.trainer import WeightPusher, WeightPushError, _Call
+from idleless.sampling_params import SamplingParams
+
+PROMPT = list(range(30, 62))
+MAX_NEW = 12
+ARGS = ["--dtype", "float32", "--kv-cache-memory", "2MiB", "--num-threads", "1", "--page-size", "4",
+        "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2_dir):
+    d = tmp_path_factory.mktemp("rl-server")
+    a, b = make_tiny_model(d, seed=0), make_tiny_model(d, seed=1)
+    ref = {}
+    for name, path in (("A", a), ("B", b)):
+        eng = Engine(model=path, tokenizer=smollm2_dir, dtype="float32", kv_cache_memory="2MiB",
+                     num_threads=TEST_THREADS, page_size=4)
+        ref[name] = eng.generate(PROMPT, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                                 use_tqdm=False).token_ids
+    assert ref["A"] != ref["B"]
+    srv = ServerProcess([*ARGS, "--model", a, "--tokenizer-path", smollm2_dir])
+    try:
+        srv.wait_ready()
+        yield srv, a, b, ref
+    finally:
+        srv.stop()
+
+
+def generate(srv, max_new: int = MAX_NEW) -> dict:
+    r = httpx.post(srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def version(srv) -> str:
+    return httpx.get(srv.url + "/get_weight_version", timeout=30).json()["weight_version"]
+
+
+def test_tensor_and_disk_updates(setup):
+    srv, a, b, ref = setup
+    assert version(srv) == "default"
+    assert generate(srv)["output_ids"] == ref["A"]
+    assert generate(srv)["meta_info"]["cached_tokens"] > 0
+    pusher = WeightPusher(srv.url, timeout_s=60)
+    res = pusher.push_tensor(checkpoint(b), weight_version="v1")
+    assert res["success"] and res["flushed_cache"] and res["weight_version"] == "v1"
+    assert not [n for n in os.listdir("/dev/shm") if str(os.getpid()) in n and n.startswith("idleless-shm-")]
+    out = generate(srv)
+    assert out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == ref["B"]
+    assert version(srv) == "v1"
+    res = pusher.push_disk(a, weight_version="v2")
+    assert res["success"] and version(srv) == "v2" and generate(srv)["output_ids"] == ref["A"]
+
+
+def test_bad_updates_are_400_and_the_old_weights_serve(setup, tmp_path):
+    srv, a, b, ref = setup
+    before = version(srv)
+    pusher = WeightPusher(srv.url, timeout_s=60)
+    bad_shape = [(n, t[:, :-1] if n.endswith("down_proj.weight") else t) for n, t in checkpoint(b)]
+    unknown = [("model.layers.7.mlp.up_proj.weight", t) for _, t in checkpoint(b)[:1]]
+    for push in (lambda: pusher.push_tensor(bad_shape, weight_version="bad"),
+                 lambda: pusher.push_tensor(unknown, weight_version="bad"),
+                 lambda: pusher.push_disk(str(tmp_path / "no-such-model"), weight_version="bad"),
+                 lambda: pusher.push_disk(make_tiny_model(tmp_path, hidden_size=32), weight_version="bad")):
+        with pytest.raises(WeightPushError) as e:
+            push()
+        assert e.value.status == 400
+    for body in ({"shm_path": "/etc/passwd", "tensors": [{"name": "model.norm.weight", "dtype": "float32",
+                                                          "shape": [64], "offset": 0}]},
+                 {"serialized_named_tensors": ["gASV"]},
+                 {"shm_path": "/dev/shm/idleless-shm-x", "tensors": [], "surprise": 1}):
+        r = httpx.post(srv.url + "/update_weights_from_tensor", json=body, timeout=60)
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert version(srv) == before and generate(srv)["output_ids"] == ref["A"]
+
+
+def stream(srv, max_new: int, out: list, started: threading.Event) -> None:
+    body = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(timeout=300) as c, c.stream("POST", srv.url + "/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+                started.set()
+
+
+def test_a_streaming_request_finishes_on_the_old_weights_or_is_aborted(setup):
+    srv, a, b, ref = setup
+    n = 400  # long enough that the update arrives while it runs
+    for abort in (False, True):
+        out, started = [], threading.Event()
+        t = threading.Thread(target=stream, args=(srv, n, out, started))
+        t.start()
+        assert started.wait(120)
+        res = WeightPusher(srv.url, timeout_s=120).push_disk(b if not abort else a, abort_all_requests=abort)
+        t.join(300)
+        ids = [i for d in out for i in d["output_ids"]]
+        reason = out[-1]["meta_info"]["finish_reason"]["type"]
+        if abort:
+            assert reason == "abort" and res["num_aborted_requests"] == 1 and len(ids) < n
+        else:
+            assert reason == "length" and len(ids) == n and ids[:MAX_NEW] == ref["A"]
+    assert generate(srv)["output_ids"] == ref["A"]
+
+
+def die_mid_broadcast(url: str, port: int, path: str) -> None:
+    """A trainer that joins, announces every tensor of ``path``, broadcasts half of them and dies."""
+    pusher = WeightPusher(url, timeout_s=60)
+    pusher.init_group("127.0.0.1", port)
+    items = checkpoint(path)
+    _Call(pusher, "/update_weights_from_distributed", {
+        "names": [n for n, _ in items], "dtypes": ["float32"] * len(items),
+        "shapes": [list(t.shape) for _, t in items], "weight_version": "never"}, 60)
+    time.sleep(1.0)  # the announcement reaches the engine first (else it never starts to receive)
+    pusher.group.broadcast(items[: len(items) // 2])
+    os._exit(3)
+
+
+def test_distributed_update_and_a_trainer_dying_mid_broadcast(setup):
+    srv, a, b, ref = setup
+    pusher = WeightPusher(srv.url, timeout_s=60)
+    pusher.init_group("127.0.0.1", free_port())
+    try:
+        res = pusher.push_distributed(checkpoint(b), weight_version="d1")
+        assert res["success"] and res["flushed_cache"]
+        assert version(srv) == "d1" and generate(srv)["output_ids"] == ref["B"]
+    finally:
+        pusher.destroy_group()
+    proc = multiprocessing.get_context("spawn").Process(target=die_mid_broadcast, args=(srv.url, free_port(), a))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 3
+    # the engine's receive fails (peer gone): old weights, old version, and the broken group is dropped
+    assert version(srv) == "d1" and generate(srv)["output_ids"] == ref["B"]
+    pusher.init_group("127.0.0.1", free_port())
+    try:
+        assert pusher.push_distributed(checkpoint(a), weight_version="d2")["success"]
+        assert generate(srv)["output_ids"] == ref["A"]
+    finally:
+        pusher.destroy_group()
