@@ -1,4 +1,4 @@
-"""Command line: ``idleless generate | chat | serve | bench``.
+"""Command line: ``idleless generate | chat | serve | router | bench``.
 
 Every EngineConfig field is a ``--kebab-case`` flag of generate, chat and serve."""
 
@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     launch.add_args(s)
     s.set_defaults(func=lambda a: launch.exit_process(launch.main(a) or 0))
+
+    from idleless.router import launch as router_launch
+    r = sub.add_parser("router", help="cache-aware router in front of engine replicas (loads no model)")
+    router_launch.add_args(r)
+    r.set_defaults(func=router_launch.main)
 
     from idleless.bench import cli as bench_cli
     b = sub.add_parser("bench", help="benchmarks")

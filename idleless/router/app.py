@@ -1,0 +1,263 @@
+"""The router's HTTP app: OpenAI routes proxied to a worker chosen by the policy, and its own routes.
+
+Proxied: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not), ``GET /v1/models``.
+A request that never started on its worker (the connection was refused or timed out, or the worker
+answered 503: draining, engine down) is sent to another healthy worker, up to ``max_attempts``
+workers; one that had started when its worker failed (the connection broke, or the health check
+declared the worker dead) ends with an error: a 502 OpenAI error object, or, once a stream's
+headers are out, an in-band SSE error event and ``data: [DONE]`` — never a hang.
+
+Own routes: ``GET /health`` (200 while some worker is healthy, else 503), ``GET /workers``,
+``POST /add_worker?url=...`` and ``POST /remove_worker?url=...`` (SGLang's router's), ``GET /metrics``
+(Prometheus, per worker: routed requests, predicted and engine-reported cached tokens, load).
+``--api-key`` guards every route but /health (401 in the OpenAI error shape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from idleless.router.metrics import render_metrics
+from idleless.router.policies import Policy, RouteInput
+from idleless.router.prompts import PromptTokenizer, route_text
+from idleless.router.workers import Worker, WorkerPool
+from idleless.server.asgi import APIKeyMiddleware
+from idleless.server.protocol import error_body
+
+log = logging.getLogger("idleless.router")
+
+SSE_DONE = b"data: [DONE]\n\n"
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# response headers that describe the upstream connection, not the answer
+_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+
+
+class WorkerDied(Exception):
+    """The worker serving a request was declared dead."""
+
+
+@dataclass
+class RouterSettings:
+    """``api_key``: required from clients (None: open); ``worker_headers``: sent to workers instead of
+    the client's Authorization (a worker API key); ``max_attempts``: workers tried per request."""
+
+    api_key: Optional[str] = None
+    worker_headers: dict = field(default_factory=dict)
+    max_attempts: int = 3
+
+
+def _error(status: int, message: str, code: str, type_: str = "server_error") -> JSONResponse:
+    return JSONResponse(error_body(message, type_, None, code), status_code=status)
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    return b"data: " + json.dumps(error_body(message, "server_error", None, code)).encode() + b"\n\n"
+
+
+async def _until_dead(aw, dead: asyncio.Event):
+    """Await ``aw``; raise WorkerDied (cancelling it) if ``dead`` is set first."""
+    if dead.is_set():
+        if asyncio.iscoroutine(aw):
+            aw.close()
+        raise WorkerDied
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(dead.wait())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise WorkerDied
+
+
+class Router:
+    """The proxy's logic, independent of FastAPI: pick, send, retry, stream back."""
+
+    def __init__(self, pool: WorkerPool, policy: Policy, settings: RouterSettings,
+                 tokenizer: Optional[PromptTokenizer] = None):
+        self.pool = pool
+        self.policy = policy
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._keys = itertools.count()
+
+    def _headers(self, request: Request) -> dict:
+        h = {"content-type": "application/json"}
+        auth = request.headers.get("authorization")
+        if self.settings.worker_headers:
+            h.update(self.settings.worker_headers)
+        elif auth and not self.settings.api_key:
+            h["authorization"] = auth  # an open router passes the client's key on to the workers
+        return h
+
+    async def route_input(self, body: dict) -> RouteInput:
+        tokens = None
+        if self.policy.needs_tokens and self.tokenizer is not None:
+            tokens = await asyncio.to_thread(self.tokenizer.tokens, body)
+        return RouteInput(route_text(body), tokens)
+
+    async def proxy(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            return _error(400, f"the body is not a JSON object: {e}", "invalid_json", "invalid_request_error")
+        inp = await self.route_input(body)
+        headers = self._headers(request)
+        tried: set[str] = set()
+        for _ in range(self.settings.max_attempts):
+            candidates = [w for w in self.pool.healthy() if w.url not in tried]
+            if not candidates:
+                break
+            w, cached = self.policy.select(candidates, inp)
+            tried.add(w.url)
+            key = next(self._keys)
+            n = len(inp.tokens) if inp.tokens else 0
+            w.begin(key, inp.tokens, max(0, n - cached))
+            w.routed += 1
+            w.predicted_hit_tokens += cached
+            w.prompt_tokens += n
+            try:
+                req = self.pool.client.build_request("POST", w.url + path, content=raw, headers=headers)
+                resp = await _until_dead(self.pool.client.send(req, stream=True), w.dead)
+            except (httpx.ConnectError, httpx.ConnectTimeout, WorkerDied) as e:
+                w.finish(key)
+                w.retries += 1
+                log.warning("worker %s did not take the request (%s); trying another", w.url, type(e).__name__)
+                if not isinstance(e, WorkerDied):
+                    w.mark(False)  # the health loop brings it back when it answers
+                continue
+            except httpx.HTTPError as e:
+                w.finish(key)
+                w.errors += 1
+                return _error(502, f"worker {w.url} failed: {type(e).__name__}", "worker_failed")
+            if resp.status_code == 503:  # not started there: draining, or its engine is down
+                await resp.aclose()
+                w.finish(key)
+                w.retries += 1
+                continue
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                return self._stream(w, key, resp)
+            try:
+                content = await _until_dead(resp.aread(), w.dead)
+            except (httpx.HTTPError, WorkerDied) as e:
+                w.errors += 1
+                return _error(502, f"worker {w.url} failed while answering: {type(e).__name__}", "worker_failed")
+            finally:
+                await resp.aclose()
+                w.finish(key)
+            m = _CACHED.search(content)
+            if m:
+                w.cached_tokens += int(m.group(1))
+            return Response(content, status_code=resp.status_code, headers=self._pass_headers(resp))
+        return _error(503, "no healthy worker could take the request", "no_healthy_workers")
+
+    @staticmethod
+    def _pass_headers(resp: httpx.Response) -> dict:
+        return {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+
+    def _stream(self, w: Worker, key: int, resp: httpx.Response) -> StreamingResponse:
+        async def body():
+            ended = False
+            chunks = resp.aiter_raw()
+            try:
+                while True:
+                    try:
+                        chunk = await _until_dead(chunks.__anext__(), w.dead)
+                    except StopAsyncIteration:
+                        break
+                    w.started(key)
+                    ended = ended or chunk.rstrip().endswith(b"[DONE]")
+                    m = _CACHED.search(chunk)
+                    if m:
+                        w.cached_tokens += int(m.group(1))
+                    yield chunk
+                if not ended:  # the worker closed the stream early: say so
+                    raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+            except (httpx.HTTPError, WorkerDied) as e:
+                w.errors += 1
+                log.warning("stream from %s broke: %s", w.url, type(e).__name__)
+                yield _sse_error(f"worker {w.url} failed mid-stream ({type(e).__name__})", "worker_failed")
+                yield SSE_DONE
+            finally:
+                await resp.aclose()
+                w.finish(key)
+
+        return StreamingResponse(body(), status_code=resp.status_code, headers=self._pass_headers(resp),
+                                 media_type="text/event-stream")
+
+    async def models(self, request: Request) -> Response:
+        for w in self.pool.healthy():
+            try:
+                r = await self.pool.client.get(w.url + "/v1/models", headers=self._headers(request))
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, headers=self._pass_headers(r))
+        return _error(503, "no healthy worker", "no_healthy_workers")
+
+
+def build_app(router: Router) -> FastAPI:
+    """The FastAPI app around ``router`` (its pool's health loop runs while the app is served)."""
+    pool = router.pool
+    app = FastAPI(title="idleless router", docs_url=None, redoc_url=None, openapi_url=None)
+    if router.settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=router.settings.api_key)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await router.proxy(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.proxy(request, "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health():
+        if pool.healthy():
+            return Response(status_code=200)
+        return _error(503, "no healthy worker", "no_healthy_workers")
+
+    @app.get("/workers")
+    async def workers():
+        return JSONResponse({"policy": router.policy.name, "workers": [w.describe() for w in pool.workers.values()]})
+
+    @app.post("/add_worker")
+    async def add_worker(url: str):
+        w = await pool.add(url)
+        return JSONResponse({"success": True, "url": w.url, "healthy": w.healthy})
+
+    @app.post("/remove_worker")
+    async def remove_worker(url: str):
+        w = await pool.remove(url)
+        if w is None:
+            return _error(404, f"no worker {url!r}", "worker_not_found", "invalid_request_error")
+        router.policy.on_removed(w.url)
+        return JSONResponse({"success": True, "url": w.url})
+
+    @app.get("/metrics")
+    async def metrics():
+        text, content_type = render_metrics(pool.workers.values(), router.policy.name)
+        return Response(text, media_type=content_type)
+
+    return app
