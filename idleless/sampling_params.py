@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from idleless.errors import RequestError
+
+if TYPE_CHECKING:
+    from idleless.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20  # alternatives per position (top_logprobs, prompt_logprobs): vLLM's default max_logprobs
 LOGIT_BIAS_MAX = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -33,6 +36,9 @@ class SamplingParams:
     logit_bias (OpenAI's): token id -> a bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] added to that token's
     logit before penalties, temperature and truncation (-100 in effect bans a token, +100 in effect forces
     it); None or {} for none. It changes the choice, not the reported logprobs (raw, as above).
+    structured_output: a constraint on the output (JSON schema, regex, choice, EBNF grammar,
+    structural tag; ``idleless.structured``) the sampler enforces with a token mask; None for none.
+    Like logit_bias it changes the choice, not the reported logprobs.
     """
 
     temperature: float = 1.0
@@ -56,6 +62,7 @@ class SamplingParams:
     prompt_logprobs_start: int = 0
     n: int = 1
     logit_bias: Optional[dict[int, float]] = None
+    structured_output: Optional["StructuredOutput"] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -19,6 +19,7 @@ from idleless.engine.request import PromptLogprob
 from idleless.model.sampler import SamplingRow, sample, token_logprobs
 from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
 from idleless.model.weights import load_weights
+from idleless.structured.grammar import TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ class ModelRunner:
                            self.dtype, config.device, config.page_size)
         self.backend = CompositeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
+        # structured outputs: per-request grammar matchers -> the sampler's token masks (the tokenizer is
+        # loaded on the first constrained request only)
+        self.token_masks = TokenMasks(config.tokenizer or self.model_dir, mc.vocab_size)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
                  self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,
@@ -160,14 +164,18 @@ class ModelRunner:
     def execute(self, plan):
         """Execute a ``StepPlan`` (idleless.engine.plan): build the tensors, run the forward, sample
         every sampled row (``plan.eos_ids`` for min_new_tokens) and compute the prompt logprobs of the
-        plan's prompt-logprob rows. Returns a ``StepResult`` with one entry per scheduled request, in
-        plan order."""
+        plan's prompt-logprob rows. Rows of requests with a ``structured_output`` are masked by their
+        grammars (``token_masks``, which forgets the plan's ``finished_ids``). Returns a ``StepResult``
+        with one entry per scheduled request, in plan order."""
         from idleless.engine.plan import StepResult
+        self.token_masks.drop(plan.finished_ids)
+        self.token_masks.begin(plan)
         batch, rows, scored = forward_batch_of(plan)
         h = self._hidden(batch)
         sampled, lps, tops = [], [], []
+        masks = self.token_masks.masks(plan)
         if rows:
-            out = sample(self.model.compute_logits(h[:len(rows)]), rows, plan.eos_ids)
+            out = sample(self.model.compute_logits(h[:len(rows)]), rows, plan.eos_ids, masks)
         i = 0
         for r in plan.requests:
             k = r.num_sampled

@@ -277,9 +277,22 @@ def _adjusted(r: SamplingRow) -> bool:
             or bool(p.presence_penalty) or len(r.output_ids) < p.min_new_tokens)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int]) -> SampleOutput:
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A token bitmask int32 [M, ceil(V / 32)] (bit b of word w allows token 32 * w + b, least
+    significant bit first: xgrammar's and vLLM's layout) as bool [M, V] (True = allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int],
+           token_mask: Optional[tuple[torch.Tensor, Sequence[int]]] = None) -> SampleOutput:
     """Sample one token per row. logits: [N, V] (float32 or bfloat16, upcast to float32 here), row i
     by rows[i] (len N); eos_ids: the model's end-of-sequence ids, banned by min_new_tokens.
+    token_mask: (bitmask int32 [M, ceil(V / 32)], M distinct row indices): those rows may only choose
+    tokens their bitmask allows (:func:`unpack_bitmask`; structured outputs); the disallowed logits
+    become -inf before anything else (as a grammar mask in vLLM and SGLang), on a copy: the reported
+    logprobs stay raw. Rows not listed are untouched.
 
     Greedy rows (temperature < 1e-5 or top_k 1) take the argmax (the first maximum) of their
     biased (:func:`apply_logit_bias`, first, as vLLM) and penalised logits; when every row is greedy
@@ -291,7 +304,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
     if len(rows) != N:
         raise ValueError(f"{len(rows)} sampling rows for {N} rows of logits")
     dev = logits.device
-    plain = [r.params.greedy and not _adjusted(r) for r in rows]
+    masked = {} if token_mask is None else {int(i): j for j, i in enumerate(token_mask[1])}
+    plain = [r.params.greedy and not _adjusted(r) and i not in masked for i, r in enumerate(rows)]
     if all(plain):
         next_ids = logits.max(-1).indices  # = argmax (first maximum), and cheaper on CPU
     else:
@@ -301,7 +315,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: set[int])
             next_ids[plain_ix] = logits[plain_ix].max(-1).indices
         work_ix = torch.tensor([i for i in range(N) if not plain[i]], dtype=torch.int64, device=dev)
         work = [r for r, pl in zip(rows, plain) if not pl]
-        x = logits[work_ix].to(torch.float32)  # a copy: biases, penalties and bans write into it
+        x = logits[work_ix].to(torch.float32)  # a copy: masks, biases, penalties and bans write into it
+        if masked:
+            pos = [(w, masked[i]) for w, i in enumerate(work_ix.tolist()) if i in masked]
+            allowed = unpack_bitmask(token_mask[0][[m for _, m in pos]].to(dev), V)
+            w_ix = torch.tensor([w for w, _ in pos], dtype=torch.int64, device=dev)
+            x[w_ix] = x[w_ix].masked_fill(~allowed, NEG_INF)
         apply_logit_bias(x, work)
         apply_penalties(x, work)
         ban_stop_tokens(x, work, eos_ids)
