@@ -123,6 +123,17 @@ class EngineConfig:
                                              "reports over ZMQ: a JSON object, e.g. '{\"endpoint\": "
                                              "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'; off when "
                                              "not given")
+    # prefill/decode disaggregation (idleless.disagg; issue 18); SGLang's flag names
+    disaggregation_mode: str = option("null", "null (colocated) | prefill (serve pulls of cached prompts' KV on "
+                                      "the bootstrap port) | decode (pull the KV named by a request's "
+                                      "kv_transfer_params before queueing it)")
+    disaggregation_transfer_backend: str = option("tcp", "KV transfer backend: tcp (ZMQ)")
+    disaggregation_bootstrap_host: str = option("127.0.0.1", "prefill mode: the address the KV transfer port binds")
+    disaggregation_bootstrap_port: int = option(8998, "prefill mode: the KV transfer port")
+    disaggregation_timeout: float = option(30.0, "decode mode: seconds a request waits for its KV before the "
+                                           "fallback")
+    pd_fallback: str = option("recompute", "decode mode, when a KV transfer fails: recompute (prefill here) | "
+                              "error (end the request)")
     # precision of weights, activations and KV cache, each on its own (idleless.quant; issue 14)
     weight_dtype: str = option("auto", "auto (as stored) | bf16 (unquantised, in --dtype) | int8 (per output "
                                "channel) | int4 (Q4_1 blocks of 32) | fp8 (e4m3 per output channel); quantised "
@@ -144,7 +155,21 @@ class EngineConfig:
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
         self._check_speculative()
+        self._check_disaggregation()
         self.kv_cache_dtype = check_precision(self.weight_dtype, self.activation_dtype, self.kv_cache_dtype)
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend != "tcp":
+            raise ValueError("disaggregation_transfer_backend must be tcp (the only backend built), got "
+                             f"{self.disaggregation_transfer_backend!r}")
+        if self.pd_fallback not in ("recompute", "error"):
+            raise ValueError(f"pd_fallback must be recompute or error, got {self.pd_fallback!r}")
+        if not self.disaggregation_timeout > 0:
+            raise ValueError(f"disaggregation_timeout must be > 0 seconds, got {self.disaggregation_timeout!r}")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError(f"disaggregation_bootstrap_port must be in 0..65535, got {self.disaggregation_bootstrap_port}")
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm

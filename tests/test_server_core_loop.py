@@ -11,6 +11,7 @@ import zmq
 from idleless.engine.core_process import EngineCoreLoop
 from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, ControlVerb,
                                       ErrorOutput, FlushCache, GetStats, PinPrefix, Ping, Shutdown, UnpinPrefix)
+from idleless.disagg import KVConnector
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput, SamplingParams
 
 
@@ -47,6 +48,7 @@ class FakeCore:
         self.pins = {}  # pin id -> tokens
         self.cached = set()  # prefixes (tuples) "in the cache"
         self.pin_waiters = []  # (pin id, ids, done) waiting for the next step
+        self.kv_connector = KVConnector()  # colocated: no transfer port to wake the idle loop
 
     def add_request(self, req):
         if not req.prompt_ids:

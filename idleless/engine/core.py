@@ -17,6 +17,7 @@ import uuid
 from typing import Callable, Iterable, Optional
 
 from idleless.config import EngineConfig
+from idleless.disagg import make_kv_connector
 from idleless.engine.admission import check_request
 from idleless.engine.request import FinishReason, Request, RequestOutput
 from idleless.engine.scheduler import Scheduler
@@ -49,6 +50,9 @@ class EngineCore:
         self.kv_events = None
         if config.kv_events_config:
             self._attach_kv_events(config.kv_events_config)
+        # prefill/decode disaggregation (idleless.disagg): a no-op connector unless a mode is set
+        self.kv_connector = make_kv_connector(config, self)
+        self.after_step.append(self.kv_connector.poll)
 
     def _attach_kv_events(self, text: str) -> None:
         """Publish the radix tree's changes and the load report after every step (and cache flush).
@@ -74,15 +78,17 @@ class EngineCore:
                 "timestamp": time.time()}
 
     def add_request(self, req: Request) -> None:
-        """Queue a request; raises RequestError if it can never be served."""
-        self.scheduler.add_request(req)
+        """Queue a request (a decode engine's KV connector may hold it until its KV has arrived);
+        raises RequestError if it can never be served."""
+        if not self.kv_connector.admit(self, req):
+            self.scheduler.add_request(req)
 
     def abort(self, rid: str) -> bool:
         """Abort a waiting or running request (reported at the next step); False if unknown."""
-        return self.scheduler.abort(rid)
+        return self.scheduler.abort(rid) or self.kv_connector.abort(rid)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.kv_connector.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One step: plan -> execute -> commit. Returns the outputs it produced. Charges its time to
@@ -106,12 +112,13 @@ class EngineCore:
             outputs = [o for o in outputs if not self._pin_prefilled(o)]
         for hook in self.after_step:
             hook(self)
-        return outputs
+        return outputs + self.kv_connector.take_outputs()
 
     # -- between-step operations -------------------------------------------------------------
     def flush_cache(self) -> bool:
-        """Empty the prefix cache, pins included; False (nothing done) while requests run or wait."""
-        done = self.scheduler.flush_cache()
+        """Empty the prefix cache, pins included; False (nothing done) while requests run or wait
+        (or wait on a KV transfer)."""
+        done = not self.kv_connector.has_work() and self.scheduler.flush_cache()
         for hook in self.after_step:
             hook(self)
         return done
@@ -187,4 +194,5 @@ class EngineCore:
         d["num_running"] = len(self.scheduler.running)
         d["num_waiting"] = len(self.scheduler.waiting)
         d["speculative"] = self.proposer.stats()
+        d["kv_transfer"] = self.kv_connector.stats()
         return d

@@ -262,6 +262,20 @@ class EngineCoreLoop:
                 return
             self.handle(data)
 
+    def _wait_idle(self) -> None:
+        """Sleep until a frontend message, or a message on a socket the engine core serves between
+        steps (a prefill engine's KV transfer port: ``kv_connector.wake_sockets``), or the idle poll."""
+        wake = self.core.kv_connector.wake_sockets
+        if not wake:
+            self.pull.poll(self.idle_poll_ms)
+            return
+        import zmq
+        poller = zmq.Poller()
+        for sock in (self.pull, *wake):
+            poller.register(sock, zmq.POLLIN)
+        if any(sock is not self.pull for sock, _ in poller.poll(self.idle_poll_ms)):
+            self.pending.extend(self.core.step())  # serves the pulls (an empty plan; after-step hooks work)
+
     def _flush(self) -> None:
         if self.pending:
             out, self.pending = self.pending, []
@@ -313,7 +327,7 @@ class EngineCoreLoop:
                 if sched.tracer is not None:
                     sched.tracer.flush()  # a run's trace is complete on disk once the engine idles
                 clock.mark("io")
-                self.pull.poll(self.idle_poll_ms)
+                self._wait_idle()
                 clock.mark("idle_no_work")
             self._drain(0)
             self._run_deferred()

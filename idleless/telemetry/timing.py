@@ -6,7 +6,8 @@ time since the previous mark to ``bucket``, so the buckets always sum to the wal
 sending outputs and ``idle_no_work`` after waiting with nothing to run; the scheduler marks
 ``schedule`` (policy, radix match/insert, batch building), ``draft`` (a speculative proposer's
 guessing, inside planning), ``forward`` (model forward and sampling) and ``verify`` (the forward of a
-step that checks proposed tokens). ``other`` takes what a loop does besides (e.g. handing outputs
+step that checks proposed tokens). With prefill/decode disaggregation ``kv_transfer`` takes serving
+pulls (prefill side) and waiting for, receiving and writing KV (decode side). ``other`` takes what a loop does besides (e.g. handing outputs
 to callers).
 
 Busy fraction = (forward + verify) / (wall - idle_no_work): the share of the time with work to do
@@ -22,7 +23,7 @@ import logging
 import time
 from typing import Optional
 
-BUCKETS = ("forward", "verify", "draft", "schedule", "io", "idle_no_work", "other")
+BUCKETS = ("forward", "verify", "draft", "schedule", "kv_transfer", "io", "idle_no_work", "other")
 
 log = logging.getLogger("idleless.telemetry")
 

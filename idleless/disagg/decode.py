@@ -1,0 +1,278 @@
+"""The decode side of the ``tcp`` KV transfer: pull a prompt's KV, put it in the radix tree, then queue.
+
+A request with ``kv_transfer_params.do_remote_prefill`` is held here, not in the scheduler's queue:
+the longest prefix of its prompt this engine already caches is locked, a ``PULL`` for the rest goes to
+the prefill engine named by ``remote_host``/``remote_port`` (``wire`` describes the messages), and
+when the KV arrives it is written into freshly allocated slots and inserted into the radix tree; the
+request is then queued and admitted with that prefix as a cache hit. The inserted prefix stays locked
+until the request leaves the waiting queue, so it cannot be evicted in between.
+
+Every held request ends: a reply that does not come within ``timeout_s``, an ``ERR`` reply, a reply
+that does not fit, or a pool too full for the KV makes the request fall back (``--pd-fallback
+recompute``: queued as is, its prompt prefilled here) or end with an error (``error``); a KV layout
+mismatch (different ``--kv-cache-dtype``) always ends it with an error. Each pull has its own socket,
+closed when the pull ends, so a broken or dead prefill engine leaves nothing behind and the next
+request to it starts afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import zmq
+
+from idleless.cache.base import CacheHandle
+from idleless.disagg import wire
+from idleless.disagg.connector import KVConnector
+from idleless.engine.admission import check_request
+from idleless.engine.messages import ErrorOutput
+from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
+
+log = logging.getLogger("idleless.disagg")
+
+
+@dataclass(eq=False)
+class _Pull:
+    req: Request
+    handle: CacheHandle  # locked: the prefix this engine held when the pull was sent
+    skip: int
+    want: int
+    sock: Any
+    peer: str
+    deadline: float
+    t0: float
+
+
+def remote_endpoint(params: dict) -> str:
+    """``tcp://host:port`` from ``kv_transfer_params``. Raises RequestError (param
+    ``kv_transfer_params``) when ``remote_host`` is not a non-empty string or ``remote_port`` not an
+    int in 1..65535."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if not isinstance(host, str) or not host or any(c in host for c in "/ "):
+        raise RequestError("kv_transfer_params.remote_host must be a host name or address",
+                           param="kv_transfer_params")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise RequestError("kv_transfer_params.remote_port must be an int in 1..65535", param="kv_transfer_params")
+    return f"tcp://{host}:{port}"
+
+
+class DecodeConnector(KVConnector):
+    """Holds requests until their KV has arrived (see the module docstring). ``timeout_s``: the most
+    seconds a pull may take (``--disaggregation-timeout``); ``fallback``: ``recompute`` or ``error``.
+    Raises ValueError when the engine keeps no prefix cache (the KV would have nowhere to go)."""
+
+    mode = "decode"
+
+    def __init__(self, core, timeout_s: float, fallback: str):
+        sched = core.scheduler
+        if not sched.cache.keeps_prefixes:
+            raise ValueError("--disaggregation-mode decode needs the prefix cache (drop --disable-radix-cache)")
+        if fallback not in ("recompute", "error"):
+            raise ValueError(f"pd_fallback must be recompute or error, got {fallback!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"disaggregation_timeout must be > 0 seconds, got {timeout_s!r}")
+        self.sched = sched
+        self.pool = sched.pool
+        self.layout = wire.pool_layout(self.pool)
+        self.timeout_s = float(timeout_s)
+        self.fallback = fallback
+        self.ctx = zmq.Context.instance()
+        self.pending: dict[str, _Pull] = {}
+        self.queued: dict[str, CacheHandle] = {}  # rid -> the imported prefix, locked until admission
+        self._outputs: list[RequestOutput] = []
+        self.counters = {"num_pulls": 0, "num_transfers": 0, "num_tokens_received": 0, "bytes_received": 0,
+                         "seconds": 0.0, "num_fallbacks": 0, "num_errors": 0, "num_skipped_tokens": 0}
+
+    # -- intake ----------------------------------------------------------------------------------
+    def admit(self, core, req: Request) -> bool:
+        params = req.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return False
+        peer = remote_endpoint(params)
+        check_request(req.prompt_ids, req.params, self.sched.admission_limits())
+        if req.params.prompt_logprobs is not None:
+            return False  # prompt logprobs need the prompt's logits: prefilled here
+        want = len(req.prompt_ids) - 1  # the last prompt token is computed here for its logits
+        cache = self.sched.cache
+        handle = cache.match_prefix(req.prompt_ids[:want], hit=False)
+        if want - handle.cached_len < self.pool.page_size:
+            return False  # nothing (or less than a page) worth pulling
+        cache.lock(handle)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(peer)
+        header = {"rid": req.rid, "token_ids": list(req.prompt_ids), "skip": handle.cached_len, "want": want,
+                  "layout": self.layout}
+        sock.send_multipart([wire.PULL, wire.encode_header(header)])
+        now = time.monotonic()
+        self.pending[req.rid] = _Pull(req, handle, handle.cached_len, want, sock, peer, now + self.timeout_s,
+                                      time.perf_counter())
+        self.counters["num_pulls"] += 1
+        self.counters["num_skipped_tokens"] += handle.cached_len
+        return True
+
+    def abort(self, rid: str) -> bool:
+        p = self.pending.pop(rid, None)
+        if p is None:
+            return False
+        self._close(p)
+        self._outputs.append(RequestOutput(rid, [], FinishReason.ABORT, prompt_tokens=len(p.req.prompt_ids)))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self._outputs)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # -- between steps ---------------------------------------------------------------------------
+    def poll(self, core) -> None:
+        self._release_admitted()
+        if not self.pending:
+            return
+        poller = zmq.Poller()
+        for p in self.pending.values():
+            poller.register(p.sock, zmq.POLLIN)
+        wait_ms = 0 if self.sched.has_work() else 5  # nothing else to do: wait a little, do not spin
+        ready = dict(poller.poll(wait_ms))
+        for rid, p in list(self.pending.items()):
+            if p.sock in ready:
+                try:
+                    frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                self._receive(p, frames)
+        now = time.monotonic()
+        for p in list(self.pending.values()):
+            if now >= p.deadline:
+                self._fail(p, f"no KV from the prefill engine at {p.peer} within {self.timeout_s:g} s",
+                           "kv_transfer_timeout")
+        core.scheduler.clock.mark("kv_transfer")
+
+    def _receive(self, p: _Pull, frames) -> None:
+        try:
+            kind = frames[0].bytes
+            head = wire.decode_header(frames[1].bytes)
+            if head.get("rid") != p.req.rid:
+                raise ValueError(f"reply for {head.get('rid')!r}, expected {p.req.rid!r}")
+            if kind == wire.ERR:
+                code = head.get("code") or "kv_transfer_failed"
+                self._fail(p, f"the prefill engine at {p.peer} refused: {head.get('error')}", code)
+                return
+            if kind != wire.KV:
+                raise ValueError(f"unknown reply kind {kind[:16]!r}")
+            why = wire.layout_mismatch(self.layout, head.get("layout"))
+            if why is not None:
+                self._fail(p, why, "layout_mismatch")
+                return
+            start, n = int(head["start"]), int(head["num_tokens"])
+            if start != p.skip or n < 0 or start + n > p.want:
+                raise ValueError(f"reply covers [{start}, {start + n}), asked [{p.skip}, {p.want})")
+            tensors = self._tensors(frames[2:], n)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            self._fail(p, f"bad KV reply from {p.peer}: {e}", "kv_transfer_failed")
+            return
+        if n < self.pool.page_size:  # nothing usable arrived: the prefill engine no longer held it
+            self._fail(p, f"the prefill engine at {p.peer} holds no KV of this prompt past {p.skip} tokens",
+                       "kv_transfer_missed")
+            return
+        handle = self._import(p, n, tensors)
+        if handle is None:
+            self._fail(p, "no room in the KV pool for the transferred prefix", "kv_transfer_no_room")
+            return
+        del self.pending[p.req.rid]
+        p.sock.close(0)
+        c = self.counters
+        c["num_transfers"] += 1
+        c["num_tokens_received"] += n
+        c["bytes_received"] += sum(t.numel() * t.element_size() for t in tensors)
+        c["seconds"] += time.perf_counter() - p.t0
+        self._queue(p.req, handle)
+
+    def _tensors(self, frames, n: int) -> list[torch.Tensor]:
+        L, H, D = self.layout["num_layers"], self.layout["num_kv_heads"], self.layout["head_dim"]
+        want = 4 if self.pool.quantized else 2
+        if len(frames) != want:
+            raise ValueError(f"{len(frames)} tensor frames, expected {want}")
+        kv = [wire.frame_tensor(f, self.pool.dtype, (L, n, H, D)) for f in frames[:2]]
+        scales = [wire.frame_tensor(f, torch.float32, (L, n, H)) for f in frames[2:]]
+        return kv + scales
+
+    def _import(self, p: _Pull, n: int, tensors: list[torch.Tensor]) -> Optional[CacheHandle]:
+        """Write the KV into new slots and insert ``prompt[:skip + n]``; returns the inserted prefix's
+        handle, locked (the pull's own lock is released), or None when the pool has no room."""
+        pool, cache = self.pool, self.sched.cache
+        short = pool.tokens_needed(p.skip, n) - pool.num_free_slots
+        if short > 0:
+            cache.evict(short)
+        slots = pool.alloc(p.skip, 0, n)  # skip is page-aligned: whole new pages
+        if slots is None:
+            return None
+        pool.k_cache[:, slots] = tensors[0]
+        pool.v_cache[:, slots] = tensors[1]
+        if pool.quantized:
+            pool.k_scale[:, slots] = tensors[2]
+            pool.v_scale[:, slots] = tensors[3]
+        key = p.req.prompt_ids[:p.skip + n]
+        prefix_len, handle = cache.insert(key, torch.cat([p.handle.slots, slots]))
+        if prefix_len > p.skip:  # cached meanwhile by another request: our copies are duplicates
+            pool.free(slots[:prefix_len - p.skip])
+        kept = max(handle.cached_len, prefix_len)
+        if kept < p.skip + n:  # a partial last page the tree does not take
+            pool.free(slots[kept - p.skip:])
+        cache.lock(handle)
+        cache.unlock(p.handle)
+        return handle
+
+    def _queue(self, req: Request, handle: Optional[CacheHandle]) -> None:
+        try:
+            self.sched.add_request(req)
+        except RequestError as e:
+            if handle is not None:
+                self.sched.cache.unlock(handle)
+            self._outputs.append(ErrorOutput(req.rid, [], FinishReason.ABORT, error=str(e), code=e.code,
+                                             param=getattr(e, "param", None)))
+            return
+        if handle is not None:
+            self.queued[req.rid] = handle
+
+    def _release_admitted(self) -> None:
+        if not self.queued:
+            return
+        waiting = {r.rid for r in self.sched.waiting}
+        for rid in [r for r in self.queued if r not in waiting]:
+            self.sched.cache.unlock(self.queued.pop(rid))
+
+    def _close(self, p: _Pull) -> None:
+        p.sock.close(0)
+        self.sched.cache.unlock(p.handle)
+
+    def _fail(self, p: _Pull, why: str, code: str) -> None:
+        """End the pull: recompute here (the fallback) or end the request with an error."""
+        self.pending.pop(p.req.rid, None)
+        self._close(p)
+        log.warning("kv transfer for %s: %s", p.req.rid, why)
+        if code == "layout_mismatch" or self.fallback == "error":
+            self.counters["num_errors"] += 1
+            self._outputs.append(ErrorOutput(p.req.rid, [], FinishReason.ABORT, error=why, code=code,
+                                             prompt_tokens=len(p.req.prompt_ids)))
+            return
+        self.counters["num_fallbacks"] += 1
+        self._queue(p.req, None)
+
+    def stats(self) -> dict:
+        d = dict(self.counters)
+        d["mode"] = self.mode
+        d["num_pending"] = len(self.pending)
+        d["gb_per_s"] = d["bytes_received"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
+        return d
+
+    def close(self) -> None:
+        for p in list(self.pending.values()):
+            self._close(p)
+        self.pending.clear()

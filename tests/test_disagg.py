@@ -1,0 +1,227 @@
+"""Prefill/decode disaggregation at the engine core (issue 18): a prefill engine (P) and a decode
+engine (D) in one process on a tiny random model, stepped alternately, against a colocated engine
+(C) as the reference. Deterministic inference is on, so D's tokens and logprobs must equal C's
+bitwise. Failures (nobody listening, a refusal, garbage, a KV layout mismatch, an abort while the KV
+is on its way) must end every request, leak no KV slot, and leave the pair usable.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from conftest import make_tiny_model
+from idleless.config import EngineConfig
+from idleless.disagg import wire
+from idleless.engine.core import EngineCore
+from idleless.engine.request import Request, SamplingParams
+from kv_invariants import check_ownership
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("pd"))
+
+
+def _core(model_dir, **kw) -> EngineCore:
+    from idleless.quant.build import build_runner
+    cfg = EngineConfig(model=model_dir, dtype="float32", kv_cache_memory="2MiB", num_threads=1,
+                       enable_deterministic_inference=True, **kw)
+    return EngineCore(cfg, runner=build_runner(cfg))
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir):
+    return _core(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prefill(model_dir):
+    core = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0)
+    yield core
+    core.kv_connector.close()
+
+
+def _params(n=8):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, logprobs=True)
+
+
+def _run(cores, reqs_by_core, limit_s=60.0):
+    """Add requests, step every core in turn until all are idle; returns rid -> [outputs]."""
+    outs: dict[str, list] = {}
+    for core, reqs in reqs_by_core:
+        for r in reqs:
+            core.add_request(r)
+    deadline = time.monotonic() + limit_s
+    while any(c.has_work() for c in cores):
+        assert time.monotonic() < deadline, "engines did not finish"
+        for c in cores:
+            for o in c.step():
+                outs.setdefault(o.rid, []).append(o)
+    return outs
+
+
+def _tokens(outs, rid):
+    return [t for o in outs[rid] for t in o.new_token_ids], [x for o in outs[rid] for x in (o.new_logprobs or [])]
+
+
+def _remote(prefill_core):
+    return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": prefill_core.kv_connector.port}
+
+
+def _idle_and_clean(core):
+    check_ownership(core.scheduler)
+    assert not core.has_work()
+    assert core.flush_cache()
+    assert core.scheduler.pool.num_free_slots == core.scheduler.pool.num_slots
+
+
+PROMPT = list(range(3, 60))
+PROMPT2 = PROMPT[:40] + list(range(100, 130))  # shares 40 tokens with PROMPT
+
+
+def test_decode_equals_colocated_bitwise_and_second_request_pulls_only_the_suffix(model_dir, colocated, prefill):
+    decode = _core(model_dir, disaggregation_mode="decode")
+    ref = _run([colocated], [(colocated, [Request("c1", PROMPT, _params()), Request("c2", PROMPT2, _params())])])
+    colocated.flush_cache()
+
+    # P prefills (and samples one token, as a router asks it to); D pulls the KV and decodes.
+    _run([prefill], [(prefill, [Request("p1", PROMPT, _params(1))])])
+    got = _run([decode, prefill], [(decode, [Request("d1", PROMPT, _params(), kv_transfer_params=_remote(prefill))])])
+    assert _tokens(got, "d1") == _tokens(ref, "c1")
+    st = decode.kv_connector.stats()
+    assert st["num_transfers"] == 1 and st["num_tokens_received"] == len(PROMPT) - 1
+    assert got["d1"][-1].cached_tokens == len(PROMPT) - 1  # the pulled prefix is a cache hit at admission
+    layout = wire.pool_layout(decode.scheduler.pool)
+    per_token = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"] * 4  # K and V, float32
+    assert st["bytes_received"] == per_token * (len(PROMPT) - 1)
+
+    # The second prompt shares 40 tokens with the first: D holds them and pulls only the rest.
+    _run([prefill], [(prefill, [Request("p2", PROMPT2, _params(1))])])
+    got = _run([decode, prefill], [(decode, [Request("d2", PROMPT2, _params(), kv_transfer_params=_remote(prefill))])])
+    assert _tokens(got, "d2") == _tokens(ref, "c2")
+    st = decode.kv_connector.stats()
+    assert st["num_skipped_tokens"] == 40
+    assert st["num_tokens_received"] == (len(PROMPT) - 1) + (len(PROMPT2) - 1 - 40)
+    assert decode.stats()["time"]["kv_transfer"] > 0 and prefill.stats()["time"]["kv_transfer"] > 0
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fallback", ["recompute", "error"])
+def test_nobody_listening_times_out_into_the_fallback(model_dir, colocated, fallback):
+    decode = _core(model_dir, disaggregation_mode="decode", disaggregation_timeout=0.3, pd_fallback=fallback)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": _free_port()}
+    ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+    colocated.flush_cache()
+    got = _run([decode], [(decode, [Request("d", PROMPT, _params(), kv_transfer_params=params)])])
+    if fallback == "recompute":
+        assert _tokens(got, "d") == _tokens(ref, "c")
+        assert decode.kv_connector.stats()["num_fallbacks"] == 1
+    else:
+        (out,) = got["d"]
+        assert out.finished and out.code == "kv_transfer_timeout" and "within 0.3 s" in out.error
+    _idle_and_clean(decode)
+    decode.kv_connector.close()
+
+
+def test_evicted_on_prefill_side_falls_back_and_the_pair_keeps_working(model_dir, colocated, prefill):
+    decode = _core(model_dir, disaggregation_mode="decode")
+    prefill.flush_cache()  # P holds nothing of the prompt: it answers with 0 tokens
+    ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+    colocated.flush_cache()
+    got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(), kv_transfer_params=_remote(prefill))])])
+    assert _tokens(got, "d") == _tokens(ref, "c")
+    assert decode.kv_connector.stats()["num_fallbacks"] == 1
+    decode.flush_cache()
+    _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+    got = _run([decode, prefill], [(decode, [Request("d2", PROMPT, _params(), kv_transfer_params=_remote(prefill))])])
+    assert _tokens(got, "d2") == _tokens(ref, "c")
+    assert decode.kv_connector.stats()["num_transfers"] == 1
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def test_kv_dtype_mismatch_is_refused_with_a_clear_error(model_dir, prefill):
+    decode = _core(model_dir, disaggregation_mode="decode", kv_cache_dtype="int8")
+    _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+    got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(), kv_transfer_params=_remote(prefill))])])
+    (out,) = got["d"]
+    assert out.code == "layout_mismatch" and "--kv-cache-dtype" in out.error
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def test_garbage_on_the_transfer_port_is_refused_and_pulls_still_work(model_dir, colocated, prefill):
+    port = prefill.kv_connector.port
+    with socket.create_connection(("127.0.0.1", port)) as raw:  # not even ZMTP
+        raw.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 10)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for frames in ([b"PULL", b"{not json"], [b"PULL", b'{"token_ids": [1, 2], "skip": 5, "want": 1}'],
+                       [b"HELLO"], [b"PULL", b'{"token_ids": "x", "skip": 0, "want": 0}']):
+            sock.send_multipart(frames)
+            prefill.step()
+            assert sock.poll(5000), "no reply to a bad pull"
+            kind, head = sock.recv_multipart()
+            assert kind == wire.ERR and wire.decode_header(head)["code"] == "bad_request"
+    finally:
+        sock.close(0)
+    assert prefill.kv_connector.stats()["num_bad_messages"] == 4
+    decode = _core(model_dir, disaggregation_mode="decode")
+    ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+    colocated.flush_cache()
+    _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+    got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(), kv_transfer_params=_remote(prefill))])])
+    assert _tokens(got, "d") == _tokens(ref, "c")
+    assert decode.kv_connector.stats()["num_transfers"] == 1
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def test_abort_while_waiting_for_kv_frees_everything(model_dir, prefill):
+    decode = _core(model_dir, disaggregation_mode="decode")
+    _run([decode], [(decode, [Request("warm", PROMPT[:20], _params(1))])])  # D holds a prefix: the pull locks it
+    decode.add_request(Request("d", PROMPT, _params(), kv_transfer_params=_remote(prefill)))
+    assert decode.kv_connector.stats()["num_pending"] == 1
+    assert decode.abort("d")
+    outs = decode.step()
+    assert [(o.rid, o.finish_reason.value) for o in outs] == [("d", "abort")]
+    _idle_and_clean(decode)
+    decode.kv_connector.close()
+
+
+def test_bad_kv_transfer_params_are_a_request_error(model_dir):
+    from idleless.errors import RequestError
+    decode = _core(model_dir, disaggregation_mode="decode")
+    for bad in ({"do_remote_prefill": True, "remote_host": "", "remote_port": 1},
+                {"do_remote_prefill": True, "remote_host": "h", "remote_port": 0},
+                {"do_remote_prefill": True, "remote_host": "h", "remote_port": "80"}):
+        with pytest.raises(RequestError, match="kv_transfer_params"):
+            decode.add_request(Request("d", PROMPT, _params(), kv_transfer_params=bad))
+    assert not decode.has_work()
+    decode.kv_connector.close()
+
+
+def test_config_refuses_unknown_modes():
+    with pytest.raises(ValueError, match="disaggregation_mode"):
+        EngineConfig(disaggregation_mode="both")
+    with pytest.raises(ValueError, match="pd_fallback"):
+        EngineConfig(pd_fallback="retry")
+    with pytest.raises(ValueError, match="disaggregation_timeout"):
+        EngineConfig(disaggregation_timeout=0)
