@@ -2,6 +2,7 @@
 
     idleless serve                                  # bundled SmolLM2-135M-Instruct on 127.0.0.1:30000
     idleless serve --model PATH --port 8000 --api-key sk-local --kv-cache-memory 1GiB
+    idleless serve --dp 2                           # 2 replicas behind the cache-aware router (idleless.router)
 
 Two processes: this one (frontend: uvicorn + FastAPI, tokenization, detokenization, stop strings)
 and the engine core (scheduler + model), spawned with multiprocessing "spawn" and reached over ZMQ
@@ -52,6 +53,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "inline (as vLLM's flag); default: the model's own")
     parser.add_argument("--enable-metrics", action="store_true",
                         help="accepted for SGLang's flag: GET /metrics is always on (idleless: and vllm: names)")
+    parser.add_argument("--dp", "--dp-size", "--data-parallel-size", type=int, default=1, dest="dp", metavar="N",
+                        help="N engine replicas on this machine behind a router on --host/--port, the cores split "
+                             "between them; --kv-cache-memory is per replica (default 1: one server, no router)")
+    parser.add_argument("--router-policy", default="exact",
+                        choices=("round_robin", "power_of_two", "cache_aware_approx", "exact"),
+                        help="with --dp: the router's policy (default exact)")
 
 
 def served_model_names(config: EngineConfig) -> list[str]:
@@ -217,6 +224,9 @@ def main(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGTERM, early_exit)
     try:
+        if getattr(args, "dp", 1) > 1:
+            from idleless.router.replicas import serve_replicas
+            return serve_replicas(args)
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
         log.info("interrupted during start-up")

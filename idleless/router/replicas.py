@@ -1,0 +1,126 @@
+"""``idleless serve --dp N``: N engine replicas on this machine behind one router.
+
+Each replica is a whole ``idleless serve`` (frontend + engine core) in a process of its own, on
+127.0.0.1 and a free port, with ``--kv-events-config`` on two more free ports and its share of the
+cores as torch threads (``(cores - 1) // N``, at least 1: one core is left for the frontends and the
+router). The router runs in this process on ``--host``/``--port`` with ``--router-policy`` and the
+server's ``--api-key`` (the replicas themselves are open, on the loopback only). The router starts
+listening once every replica answers /health; SIGTERM/SIGINT stop the router, then the replicas
+(each drains as a lone server would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+
+import httpx
+
+log = logging.getLogger("idleless.router")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (free when asked: a later bind can still race)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def replica_args(args: argparse.Namespace, dp: int, port: int, pub_port: int, replay_port: int) -> argparse.Namespace:
+    """The flags of one replica: the server's, on 127.0.0.1:``port``, open, one replica, its thread
+    share, KV events on ``pub_port`` / ``replay_port``."""
+    r = copy.copy(args)
+    r.host, r.port, r.api_key, r.dp = "127.0.0.1", port, None, 1
+    if not args.num_threads:
+        r.num_threads = max(1, ((os.cpu_count() or 1) - 1) // dp)
+    r.kv_events_config = json.dumps({"endpoint": f"tcp://127.0.0.1:{pub_port}",
+                                     "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})
+    return r
+
+
+def _replica_main(args: argparse.Namespace) -> None:
+    from idleless.server import launch
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent drives the stop
+    logging.basicConfig(level=str(args.log_level).upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[replica :{args.port}]: %(message)s")
+    launch.exit_process(launch.main(args) or 0)
+
+
+def _wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
+    """Poll every replica's /health until all answer 200. Raises RuntimeError when one exits or the
+    time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(urls)
+    while pending:
+        for p, u in zip(procs, urls):
+            if not p.is_alive():
+                raise RuntimeError(f"replica {u} exited with code {p.exitcode} while starting")
+        for u in list(pending):
+            try:
+                if httpx.get(u + "/health", timeout=2.0).status_code == 200:
+                    pending.discard(u)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"replicas not ready after {timeout_s:.0f} s: {sorted(pending)}")
+        time.sleep(0.2)
+
+
+def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> int:
+    """Start ``args.dp`` replicas and the router; returns the exit code (1 if a replica failed)."""
+    from idleless.router import launch as router_launch
+
+    dp = args.dp
+    ports = free_ports(3 * dp)
+    ctx = multiprocessing.get_context("spawn")
+    procs, urls = [], []
+    for i in range(dp):
+        ra = replica_args(args, dp, *ports[3 * i: 3 * i + 3])
+        p = ctx.Process(target=_replica_main, args=(ra,), name=f"idleless-replica-{i}")
+        p.start()
+        procs.append(p)
+        urls.append(f"http://127.0.0.1:{ra.port}")
+    code = 0
+    try:
+        _wait_ready(procs, urls, ready_timeout_s)
+        log.info("%d replicas ready (%d threads each): %s", dp, replica_args(args, dp, 0, 0, 0).num_threads,
+                 " ".join(urls))
+        parser = argparse.ArgumentParser()
+        router_launch.add_args(parser)
+        rargs = parser.parse_args(["--worker-urls", *urls, "--host", args.host, "--port", str(args.port),
+                                   "--policy", args.router_policy, "--log-level", str(args.log_level)])
+        rargs.api_key = args.api_key
+        if args.chat_template:
+            rargs.chat_template = args.chat_template
+        asyncio.run(router_launch.serve(rargs))
+    except RuntimeError as e:
+        log.error("%s", e)
+        code = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + args.shutdown_grace + 10
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return code
