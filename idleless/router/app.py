@@ -49,11 +49,15 @@ class WorkerDied(Exception):
 @dataclass
 class RouterSettings:
     """``api_key``: required from clients (None: open); ``worker_headers``: sent to workers instead of
-    the client's Authorization (a worker API key); ``max_attempts``: workers tried per request."""
+    the client's Authorization (a worker API key); ``max_attempts``: workers tried per request;
+    ``track_cache_hits``: tokenize every request whatever the policy and count, per worker, the prompt
+    tokens the chosen worker held and, over all workers, the most any healthy worker held (the
+    oracle's hits) — for comparing policies."""
 
     api_key: Optional[str] = None
     worker_headers: dict = field(default_factory=dict)
     max_attempts: int = 3
+    track_cache_hits: bool = False
 
 
 def _error(status: int, message: str, code: str, type_: str = "server_error") -> JSONResponse:
@@ -95,6 +99,7 @@ class Router:
         self.settings = settings
         self.tokenizer = tokenizer
         self._keys = itertools.count()
+        self.oracle_hit_tokens = 0  # with track_cache_hits (or the exact policy): the most any worker held
 
     def _headers(self, request: Request) -> dict:
         h = {"content-type": "application/json"}
@@ -107,7 +112,7 @@ class Router:
 
     async def route_input(self, body: dict) -> RouteInput:
         tokens = None
-        if self.policy.needs_tokens and self.tokenizer is not None:
+        if (self.policy.needs_tokens or self.settings.track_cache_hits) and self.tokenizer is not None:
             tokens = await asyncio.to_thread(self.tokenizer.tokens, body)
         return RouteInput(route_text(body), tokens)
 
@@ -127,6 +132,10 @@ class Router:
             if not candidates:
                 break
             w, cached = self.policy.select(candidates, inp)
+            if inp.tokens:
+                held = [c.cached_prefix(inp.tokens) for c in candidates]
+                cached = held[candidates.index(w)]
+                self.oracle_hit_tokens += max(held)
             tried.add(w.url)
             key = next(self._keys)
             n = len(inp.tokens) if inp.tokens else 0
@@ -257,7 +266,7 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        text, content_type = render_metrics(pool.workers.values(), router.policy.name)
+        text, content_type = render_metrics(pool.workers.values(), router.policy.name, router.oracle_hit_tokens)
         return Response(text, media_type=content_type)
 
     return app

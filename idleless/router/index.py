@@ -44,12 +44,17 @@ class TokenIndex:
             if child is None:
                 return node, done, 0
             key = child.key
-            k, m = 0, min(len(key), n - done)
-            while k < m and key[k] == tokens[done + k]:
-                k += 1
-            if k < len(key):
-                return child, done, k
-            node, done = child, done + k
+            if tuple(tokens[done:done + len(key)]) == key:  # the whole edge matches (compared in C)
+                node, done = child, done + len(key)
+                continue
+            lo, hi = 1, min(len(key), n - done)  # the longest equal slice, by bisection (slices compare in C)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if tuple(tokens[done:done + mid]) == key[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return child, done, lo
         return node, done, 0
 
     def match(self, tokens: Sequence[int]) -> int:

@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="exact: prefill tokens one request in flight is worth (default 8)")
     p.add_argument("--exact-spread", type=float, default=0.1,
                    help="exact: cached-prefix credit decay per request of load above the least loaded (default 0.1)")
+    p.add_argument("--track-cache-hits", action="store_true",
+                   help="tokenize and follow KV events whatever the policy, to count each policy's hits against "
+                        "the oracle's (idleless_router_oracle_hit_tokens_total); the bench turns it on")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -92,13 +95,14 @@ async def build_router(args: argparse.Namespace) -> Router:
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     pool = WorkerPool(client, health_interval_s=args.health_check_interval_secs,
                       failure_threshold=args.health_failure_threshold, headers=headers,
-                      use_kv_events=args.policy == "exact")
+                      use_kv_events=args.policy == "exact" or args.track_cache_hits)
     for url in args.worker_urls:
         await pool.add(url)
     pool.start()
     policy = policy_from_args(args)
-    tokenizer = await _tokenizer(args, pool) if policy.needs_tokens else None
-    settings = RouterSettings(api_key=args.api_key, worker_headers=headers, max_attempts=args.max_attempts)
+    tokenizer = await _tokenizer(args, pool) if policy.needs_tokens or args.track_cache_hits else None
+    settings = RouterSettings(api_key=args.api_key, worker_headers=headers, max_attempts=args.max_attempts,
+                              track_cache_hits=args.track_cache_hits)
     return Router(pool, policy, settings, tokenizer)
 
 

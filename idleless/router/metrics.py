@@ -37,8 +37,8 @@ _SERIES = [
 
 
 class _Collector:
-    def __init__(self, workers, policy: str):
-        self.workers, self.policy = list(workers), policy
+    def __init__(self, workers, policy: str, oracle_hit_tokens: int):
+        self.workers, self.policy, self.oracle = list(workers), policy, oracle_hit_tokens
 
     def collect(self):
         for name, help_, kind, get in _SERIES:
@@ -49,10 +49,13 @@ class _Collector:
         info = GaugeMetricFamily("idleless_router_policy", "the routing policy", labels=["policy"])
         info.add_metric([self.policy], 1)
         yield info
+        yield CounterMetricFamily("idleless_router_oracle_hit_tokens", "prompt tokens held by the healthy worker "
+                                  "holding the most of each prompt, summed (when the router tokenizes)",
+                                  value=self.oracle)
 
 
-def render_metrics(workers: Iterable, policy: str) -> tuple[bytes, str]:
+def render_metrics(workers: Iterable, policy: str, oracle_hit_tokens: int = 0) -> tuple[bytes, str]:
     """(Prometheus exposition text, its content type) for ``workers``."""
     reg = CollectorRegistry()
-    reg.register(_Collector(workers, policy))
+    reg.register(_Collector(workers, policy, oracle_hit_tokens))
     return generate_latest(reg), CONTENT_TYPE_LATEST

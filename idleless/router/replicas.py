@@ -61,7 +61,7 @@ def _replica_main(args: argparse.Namespace) -> None:
     launch.exit_process(launch.main(args) or 0)
 
 
-def _wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
+def wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
     """Poll every replica's /health until all answer 200. Raises RuntimeError when one exits or the
     time runs out."""
     deadline = time.monotonic() + timeout_s
@@ -81,11 +81,9 @@ def _wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> int:
-    """Start ``args.dp`` replicas and the router; returns the exit code (1 if a replica failed)."""
-    from idleless.router import launch as router_launch
-
-    dp = args.dp
+def start_replicas(args: argparse.Namespace, dp: int) -> tuple[list, list[str]]:
+    """Spawn ``dp`` replicas of the server ``args`` describes; returns (processes, base URLs). They
+    are not ready yet: see ``wait_ready``."""
     ports = free_ports(3 * dp)
     ctx = multiprocessing.get_context("spawn")
     procs, urls = [], []
@@ -95,9 +93,32 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
         p.start()
         procs.append(p)
         urls.append(f"http://127.0.0.1:{ra.port}")
+    return procs, urls
+
+
+def stop_replicas(procs: list, grace_s: float) -> None:
+    """SIGTERM every replica (each drains for up to its --shutdown-grace), SIGKILL what is left after
+    ``grace_s`` + 10 s."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + 10
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> int:
+    """Start ``args.dp`` replicas and the router; returns the exit code (1 if a replica failed)."""
+    from idleless.router import launch as router_launch
+
+    dp = args.dp
+    procs, urls = start_replicas(args, dp)
     code = 0
     try:
-        _wait_ready(procs, urls, ready_timeout_s)
+        wait_ready(procs, urls, ready_timeout_s)
         log.info("%d replicas ready (%d threads each): %s", dp, replica_args(args, dp, 0, 0, 0).num_threads,
                  " ".join(urls))
         parser = argparse.ArgumentParser()
@@ -114,13 +135,5 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
     except KeyboardInterrupt:
         pass
     finally:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + args.shutdown_grace + 10
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_replicas(procs, args.shutdown_grace)
     return code

@@ -13,6 +13,20 @@ import itertools
 from typing import Iterable, Optional
 
 
+def _common(key: str, text: str, at: int) -> int:
+    """Length of the common prefix of ``key`` and ``text[at:]``."""
+    if text.startswith(key, at):
+        return len(key)
+    lo, hi = 0, min(len(key), len(text) - at)  # the longest equal slice, by bisection (slices compare in C)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(key[:mid], at):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class _Node:
     __slots__ = ("key", "children", "parent", "tenants")
 
@@ -54,11 +68,8 @@ class ApproxTree:
                 child = _Node(text[done:], node)
                 node.children[text[done]] = child
             else:
-                key = child.key
-                k, m = 0, min(len(key), len(text) - done)
-                while k < m and key[k] == text[done + k]:
-                    k += 1
-                if k < len(key):
+                k = _common(child.key, text, done)
+                if k < len(child.key):
                     child = self._split(child, k)
             if worker not in child.tenants:
                 self.sizes[worker] = self.sizes.get(worker, 0) + len(child.key)
@@ -79,12 +90,9 @@ class ApproxTree:
             holders = [(t, w) for w, t in child.tenants.items() if w in eligible]
             if not holders:
                 break
-            key = child.key
-            k, m = 0, min(len(key), len(text) - done)
-            while k < m and key[k] == text[done + k]:
-                k += 1
+            k = _common(child.key, text, done)
             best = (done + k, max(holders)[1])
-            if k < len(key):
+            if k < len(child.key):
                 break
             node, done = child, done + k
         return best
