@@ -178,3 +178,60 @@ def test_flag_values_checked_and_aliases():
     for bad in (dict(weight_dtype="int3"), dict(activation_dtype="fp8"), dict(kv_cache_dtype="int4")):
         with pytest.raises(ValueError, match="must be one of"):
             EngineConfig(**bad)
+
+
+def _kernel_builds():
+    """The kernels as built for this CPU, and a portable build (-march=x86-64: no AVX2, the scalar
+    paths) made the same way, so both paths are checked on any machine."""
+    import ctypes
+
+    from idleless.model import cpu_kernels
+
+    native = cpu_kernels.load(torch.float32)
+    if native is None:
+        return []
+    flags = [f if not f.startswith("-march") else "-march=x86-64" for f in cpu_kernels.CFLAGS]
+    flags = [f for f in flags if not f.startswith("-mprefer")]
+    saved = cpu_kernels.CFLAGS
+    cpu_kernels.CFLAGS = flags
+    try:
+        so = cpu_kernels.build_library()
+    finally:
+        cpu_kernels.CFLAGS = saved
+    lib = ctypes.CDLL(str(so))
+    out = [("native", torch.float32, native), ("portable", torch.float32, cpu_kernels.CpuKernels(lib, torch.float32))]
+    bf = cpu_kernels.load(torch.bfloat16)
+    out += [("native", torch.bfloat16, bf), ("portable", torch.bfloat16, cpu_kernels.CpuKernels(lib, torch.bfloat16))]
+    return out
+
+
+KERNELS = _kernel_builds()
+
+
+@pytest.mark.skipif(not KERNELS, reason="no C compiler: the kernels are not built")
+@pytest.mark.parametrize("build", range(len(KERNELS) or 1), ids=lambda i: f"{KERNELS[i][0]}-{KERNELS[i][1]}"
+                         if KERNELS else "none")
+@pytest.mark.parametrize("layout", ["int8", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
+def test_kernel_path_vs_float64(build, layout, rows):
+    """The C kernels (batches up to KERNEL_MAX_ROWS) and the torch path above, in float32 and bfloat16,
+    against the float64 product of the held quantised weights: float32 sums (tight), bfloat16 inputs
+    and a bfloat16 output rounding (half an ulp of the largest output, 2^-9 relative)."""
+    from idleless.quant.methods import KERNEL_MAX_ROWS
+
+    _, dtype, kern = KERNELS[build]
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 160, generator=g) / 10
+    bias = torch.randn(300, generator=g).to(dtype)
+    x = torch.randn(rows, 200, generator=g)[:, :160].to(dtype)  # strided rows
+    method = Int8LinearMethod(kernels=kern) if layout == "int8" else Q4LinearMethod(kernels=kern)
+    layer, ref = _reference(method, w, x.float(), bias.float())
+    with torch.no_grad():
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    y = layer(x)
+    assert y.dtype == dtype
+    scale = float((x.double().abs() @ w.double().abs().t()).max() + bias.double().abs().max())
+    tol = 1e-5 * scale if dtype == torch.float32 else 2.0 ** -8 * scale
+    assert float((y.double() - ref).abs().max()) <= tol
+    if rows <= KERNEL_MAX_ROWS:  # the kernel's rows do not depend on the batch
+        assert torch.equal(layer(x[:1]), y[:1])

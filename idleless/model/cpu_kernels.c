@@ -1095,3 +1095,152 @@ int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
     return 0;
 }
 #endif
+
+/* ---- Quantised weights, weight-only (issue 14) --------------------------------------------------------
+ * The weight stays in its stored format and is turned into float32 in registers, a few elements at a
+ * time, inside the dot product: at decode, where every weight is read once per step, the bytes read are
+ * the quantised ones (1 byte per weight for int8, 5 bits for Q4_1 instead of 4 for float32).
+ * q8_linear: int8 q [n, k] with one float32 scale per output row (symmetric per channel):
+ *   out[r, c] = T(scale[c] * sum_k x[r, k] q[c, k] + bias[c]).
+ * q41_linear: GGUF Q4_1 blocks of 32 along k (ggml's block_q4_1: float16 step d and minimum m, codes
+ * 0..15 packed two per byte, element j in the low nibble of byte j, element j + 16 in its high nibble):
+ *   out[r, c] = T(sum_b (d[c, b] sum_j x[r, 32b + j] code[c, b, j] + m[c, b] sum_j x[r, 32b + j]) + bias[c]).
+ * Every output element is one float32 sum in a fixed order (8 lanes over k, lanes summed in a fixed
+ * tree; the scalar build in k order), the same for any number of rows. Threads split output columns.
+ * x rows are converted to float32 once (exact); returns 0 if that buffer cannot be allocated, else 1. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* IEEE half -> float, exact */
+#else
+static inline float f16_to_f32(uint16_t h) { /* IEEE half -> float, exact (subnormals, inf, NaN kept) */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 v) { /* fixed order: (lo + hi) then pairs */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float dot_q8(const float *x, const int8_t *q, int64_t k) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (k % 16 == 0) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        for (int64_t i = 0; i < k; i += 16) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + i));
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), a1);
+        }
+        return hsum8(_mm256_add_ps(a0, a1));
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < k; i++) s += x[i] * (float)q[i];
+    return s;
+}
+
+/* sum over blocks of d * (x . codes) + m * xsum[b]; qs: the output row's blocks, 16 bytes each */
+static inline float dot_q41(const float *x, const float *xsum, const uint8_t *qs, const uint16_t *d,
+                            const uint16_t *mn, int64_t nb) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0f);
+    float msum = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        const float *xb = x + 32 * b;
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), t);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(d[b])), t, acc);
+        msum += f16_to_f32(mn[b]) * xsum[b];
+    }
+    return hsum8(acc) + msum;
+#else
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *q = qs + 16 * b;
+        const float *xb = x + 32 * b;
+        float t = 0.f;
+        for (int j = 0; j < 16; j++) t += xb[j] * (float)(q[j] & 0x0f) + xb[j + 16] * (float)(q[j] >> 4);
+        s += f16_to_f32(d[b]) * t + f16_to_f32(mn[b]) * xsum[b];
+    }
+    return s;
+#endif
+}
+
+#define Q_COLS 16 /* output columns per thread task */
+
+#define DEFINE_QUANT_KERNELS(SUF, T)                                                                           \
+static float *rows_to_f32_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx) {                               \
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k > 0 ? m * k : 1));                              \
+    if (!xf) return NULL;                                                                                      \
+    for (int64_t r = 0; r < m; r++)                                                                            \
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = LD_##SUF(x + r * ldx + i);                             \
+    return xf;                                                                                                 \
+}                                                                                                              \
+int q8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const float *scale,        \
+                    int64_t n, const T *bias, T *out, int64_t ldo) {                                           \
+    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    if (!xf) return 0;                                                                                         \
+    int64_t ntask = (n + Q_COLS - 1) / Q_COLS;                                                                 \
+    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
+    for (int64_t t = 0; t < ntask; t++)                                                                        \
+        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
+            for (int64_t r = 0; r < m; r++) {                                                                  \
+                float v = scale[c] * dot_q8(xf + r * k, q + c * k, k);                                         \
+                if (bias) v += LD_##SUF(bias + c);                                                             \
+                ST_##SUF(out + r * ldo + c, v);                                                                \
+            }                                                                                                  \
+    free(xf);                                                                                                  \
+    return 1;                                                                                                  \
+}                                                                                                              \
+int q41_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *qs, const uint16_t *d,      \
+                     const uint16_t *mn, int64_t n, const T *bias, T *out, int64_t ldo) {                      \
+    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    int64_t nb = k / 32;                                                                                       \
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(m * nb > 0 ? m * nb : 1));                            \
+    if (!xf || !xs) { free(xf); free(xs); return 0; }                                                          \
+    for (int64_t r = 0; r < m; r++)                                                                            \
+        for (int64_t b = 0; b < nb; b++) {                                                                     \
+            float s = 0.f;                                                                                     \
+            for (int j = 0; j < 32; j++) s += xf[r * k + 32 * b + j];                                          \
+            xs[r * nb + b] = s;                                                                                \
+        }                                                                                                      \
+    int64_t ntask = (n + Q_COLS - 1) / Q_COLS;                                                                 \
+    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
+    for (int64_t t = 0; t < ntask; t++)                                                                        \
+        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
+            for (int64_t r = 0; r < m; r++) {                                                                  \
+                float v = dot_q41(xf + r * k, xs + r * nb, qs + c * nb * 16, d + c * nb, mn + c * nb, nb);     \
+                if (bias) v += LD_##SUF(bias + c);                                                             \
+                ST_##SUF(out + r * ldo + c, v);                                                                \
+            }                                                                                                  \
+    free(xf);                                                                                                  \
+    free(xs);                                                                                                  \
+    return 1;                                                                                                  \
+}
+
+DEFINE_QUANT_KERNELS(f32, float)
+DEFINE_QUANT_KERNELS(bf16, uint16_t)

@@ -59,6 +59,9 @@ _SIGNATURES_INT = {
     "bi_linear_pack": [_P, _I, _I, _P],
     "bi_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I],
     "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P],
+    # quantised weights (idleless.quant): x in the kernels' dtype, weights int8 or GGUF Q4_1
+    "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
+    "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
 }
 # kernels without a float32 twin: name -> (argtypes, restype)
 _BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
@@ -426,3 +429,45 @@ class CpuKernels:
                                 key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
                                 _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out)):
             raise MemoryError("chunk_attn: cannot allocate its buffers")
+
+    # ---- quantised weights, weight-only (idleless.quant; see the section comment in cpu_kernels.c) ----
+    def _quant_rows(self, x: torch.Tensor, bias: Optional[torch.Tensor], n: int, kernel: str) -> torch.Tensor:
+        self._check(x)
+        if x.stride(1) != 1:
+            raise ValueError(f"{kernel}: x rows must be contiguous")
+        self._check_bias(bias, n, kernel)
+        return torch.empty(x.shape[0], n, dtype=self.dtype)
+
+    def q8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = (x q^T) * scale (+ bias): x [M, K] in the kernels' dtype (rows may be strided), q int8
+        [N, K] contiguous, scale float32 [N] (one per output channel), bias [N] -> new [M, N] in the
+        kernels' dtype. Each output element is one float32 sum in a fixed order for any M (batch-
+        invariant), rounded once. Raises ValueError on a layout mismatch, MemoryError when the row
+        buffer cannot be allocated."""
+        n, k = q.shape
+        if (q.dtype != torch.int8 or not q.is_contiguous() or x.shape[1] != k or scale.dtype != torch.float32
+                or scale.numel() != n or not scale.is_contiguous()):
+            raise ValueError("q8_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "q8_linear")
+        if x.shape[0] and not self._q8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
+                                              scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("q8_linear: cannot allocate the row buffer")
+        return out
+
+    def q41_linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = x W^T (+ bias) for W in GGUF Q4_1 blocks (``idleless.quant.formats.quantize_q4_1``' layout:
+        qs uint8 [N, K/32, 16], d and m float16 [N, K/32], contiguous): x [M, K] in the kernels' dtype
+        (rows may be strided) -> new [M, N]. Each output element is one float32 sum in a fixed order
+        for any M. Raises ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
+        n, nb, _ = qs.shape
+        k = x.shape[1]
+        if (qs.dtype != torch.uint8 or qs.shape[2] != 16 or nb * 32 != k or not qs.is_contiguous()
+                or any(t.dtype != torch.float16 or t.shape != (n, nb) or not t.is_contiguous() for t in (d, m))):
+            raise ValueError("q41_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "q41_linear")
+        if x.shape[0] and not self._q41_linear(x.data_ptr(), x.shape[0], k, x.stride(0), qs.data_ptr(),
+                                               d.data_ptr(), m.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("q41_linear: cannot allocate its buffers")
+        return out

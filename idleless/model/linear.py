@@ -228,7 +228,8 @@ def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack
     Raises ValueError for a precision combination without a method."""
     if weight_dtype not in ("auto", "bf16") or activation_dtype != "bf16":
         from idleless.quant.methods import quantized_linear_method  # imports this module
-        return quantized_linear_method(weight_dtype, activation_dtype, deterministic)
+        ours = kernels is not None and kernels.dtype == dtype
+        return quantized_linear_method(weight_dtype, activation_dtype, deterministic, kernels if ours else None)
     ours = kernels is not None and kernels.dtype == dtype
     if deterministic:
         return InvariantLinearMethod(kernels) if ours else TiledLinearMethod()

@@ -1,7 +1,9 @@
 """Quantised linear methods (``linear.LinearMethod``): the weight quantised once per weight change in
 ``process_after_load``, read in its quantised form by ``apply``. Portable PyTorch: ``apply`` turns
 ``COL_TILE`` output channels at a time back into the model dtype (a tile's worth of temporary memory,
-never the whole weight) and multiplies; W8A8 multiplies integers exactly (``torch._int_mm``).
+never the whole weight) and multiplies; W8A8 multiplies integers exactly (``torch._int_mm``). With the
+CPU kernels (``cpu_kernels.q8_linear`` / ``q41_linear``), int8 and Q4_1 batches of up to
+``KERNEL_MAX_ROWS`` rows (decode, speculative verify) read the quantised weight directly instead.
 
 The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
 weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
@@ -29,6 +31,8 @@ from idleless.quant.formats import dequantize_q4_0, dequantize_q4_1, quantize_q4
 COL_TILE = 2048
 #: rows per tile of the batch-invariant (deterministic) path
 DETERMINISTIC_ROW_TILE = 16
+#: most rows a call sends to the C kernels (which read each weight row once per row of x)
+KERNEL_MAX_ROWS = 16
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -43,9 +47,14 @@ class QuantizedLinearMethod(LinearMethod):
 
     name = "quantized"
 
-    def __init__(self, row_tile: Optional[int] = None):
+    def __init__(self, row_tile: Optional[int] = None, kernels=None):
         self.row_tile = row_tile
+        self.kernels = kernels if row_tile is None else None  # the kernels' rows are not the tiles' bits
         self.head_method = self
+
+    def kernel_apply(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The C kernel's product for a small batch, or None where the method has none."""
+        return None
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -60,6 +69,10 @@ class QuantizedLinearMethod(LinearMethod):
         return _nbytes(*layer.quant.values())
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and 0 < x.shape[0] <= KERNEL_MAX_ROWS:
+            y = self.kernel_apply(layer, x)
+            if y is not None:
+                return y
         if self.row_tile is None:
             return self._product(layer, x)
         m, t = x.shape[0], self.row_tile
@@ -98,6 +111,11 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def tile(self, layer, n0, n1, dtype):
         return layer.quant["q"][n0:n1].to(dtype), layer.quant["scale"][n0:n1]
 
+    def kernel_apply(self, layer, x):
+        if self.qdtype != torch.int8:
+            return None
+        return self.kernels.q8_linear(x, layer.quant["q"], layer.quant["scale"], layer.bias)
+
 
 class Fp8LinearMethod(Int8LinearMethod):
     """fp8 e4m3 weights, one scale per output channel (max|w_row| / 448)."""
@@ -113,12 +131,18 @@ class Q4LinearMethod(QuantizedLinearMethod):
 
     name = "int4"
 
-    def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1"):
-        super().__init__(row_tile)
+    def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1", kernels=None):
+        super().__init__(row_tile, kernels)
         if layout not in ("q4_0", "q4_1"):
             raise ValueError(f"Q4 layout must be q4_0 or q4_1, got {layout!r}")
         self.layout = layout
-        self.head_method = Int8LinearMethod(row_tile)
+        self.head_method = Int8LinearMethod(row_tile, kernels)
+
+    def kernel_apply(self, layer, x):
+        if self.layout != "q4_1":
+            return None
+        qt = layer.quant
+        return self.kernels.q41_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
 
     def quantize(self, weight):
         if self.layout == "q4_1":
@@ -142,9 +166,8 @@ class W8A8LinearMethod(Int8LinearMethod):
 
     name = "w8a8"
 
-    def __init__(self, row_tile: Optional[int] = None):
+    def __init__(self):
         super().__init__(None)  # exact integer sums: invariant without tiles
-        self.head_method = self
 
     def process_after_load(self, layer) -> int:
         q, s = quantize_rows(layer.weight.detach(), torch.int8)
@@ -161,9 +184,10 @@ class W8A8LinearMethod(Int8LinearMethod):
 
 
 def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
-                            deterministic: bool = False) -> QuantizedLinearMethod:
+                            deterministic: bool = False, kernels=None) -> QuantizedLinearMethod:
     """The method of ``--weight-dtype`` int8 | int4 | fp8 with ``--activation-dtype`` (int8 only with
-    int8 weights: W8A8). deterministic: batch-invariant row tiles. Raises ValueError for another
+    int8 weights: W8A8). deterministic: batch-invariant row tiles (the kernels are not used then).
+    kernels: a ``cpu_kernels.CpuKernels`` of the model dtype, or None. Raises ValueError for another
     combination (``spec.check_precision`` refuses them earlier, at configuration)."""
     tile = DETERMINISTIC_ROW_TILE if deterministic else None
     if activation_dtype == "int8":
@@ -174,4 +198,4 @@ def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
     if weight_dtype not in methods:
         raise ValueError(f"no quantised linear method for weight dtype {weight_dtype!r} "
                          f"(quantised: {', '.join(methods)})")
-    return methods[weight_dtype](tile)
+    return methods[weight_dtype](tile, kernels=kernels)
