@@ -258,3 +258,29 @@ def test_exact_follows_a_workers_kv_events():
         run(main())
     finally:
         pub.close()
+
+
+def test_health_checks_take_a_worker_out_and_back():
+    """Two failed checks in a row (the threshold) mark a worker unhealthy and new traffic avoids it;
+    one passing check brings it back (a restarted worker rejoins)."""
+    async def main():
+        mode_a = {}
+        async with Served(fake_worker("a", mode_a)) as a, Served(fake_worker("b", {})) as b:
+            router, rsrv = await _router([a.url, b.url], "--policy", "round_robin")
+            pool, wa = router.pool, router.pool.workers[a.url]
+            async with rsrv, httpx.AsyncClient(base_url=rsrv.url, timeout=30) as c:
+                mode_a["health"] = 503
+                await pool.check(wa)
+                assert wa.healthy  # one failure is below the threshold of 2
+                await pool.check(wa)
+                assert not wa.healthy and wa.dead.is_set()
+                got = [(await c.post("/v1/completions", json={"prompt": "x"})).json()["worker"] for _ in range(3)]
+                assert got == ["b", "b", "b"]
+                mode_a["health"] = 200
+                await pool.check(wa)
+                assert wa.healthy and not wa.dead.is_set()
+                got = {(await c.post("/v1/completions", json={"prompt": "x"})).json()["worker"] for _ in range(2)}
+                assert got == {"a", "b"}
+            await pool.stop()
+
+    run(main())
