@@ -36,8 +36,8 @@ class SamplingParams:
     logit_bias (OpenAI's): token id -> a bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] added to that token's
     logit before penalties, temperature and truncation (-100 in effect bans a token, +100 in effect forces
     it); None or {} for none. It changes the choice, not the reported logprobs (raw, as above).
-    structured_output: a constraint on the output (JSON schema, regex, choice, EBNF grammar,
-    structural tag; ``idleless.structured``) the sampler enforces with a token mask; None for none.
+    structured_output: a constraint on the output (JSON schema, regex, choice, EBNF grammar;
+    ``idleless.structured``) the sampler enforces with a token mask; None for none.
     Like logit_bias it changes the choice, not the reported logprobs.
     """
 

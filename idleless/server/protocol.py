@@ -10,12 +10,14 @@ is one of three kinds (``_Checked.check_fields``):
 - implemented: a field of the model, honoured (or refused with a 400 where a value cannot be);
 - known and without effect on the output (``user``, ``metadata``, ``store``, ``service_tier``, ...:
   OpenAI's bookkeeping fields): accepted and ignored, as OpenAI's own API ignores them for output;
-- known but not implemented (OpenAI's ``response_format`` other than text, ``tools``,
-  ``tool_choice``, ``audio``, ...; vLLM's ``guided_*``, ``structured_outputs``, ``use_beam_search``,
-  ``bad_words``, ...; SGLang's ``regex``, ``ebnf``, ``json_schema``,
-  ``lora_path``, ...): a 400 (``unsupported_parameter``) naming it in ``param``, unless its value
-  asks for nothing (null, the field's default, an empty list) — so a client never gets an
-  unconstrained 200 for a constrained request.
+- known but not implemented (OpenAI's ``audio``, ...; vLLM's ``guided_whitespace_pattern``,
+  ``use_beam_search``, ``bad_words``, ...; SGLang's ``structural_tag``, ``lora_path``, ...): a 400
+  (``unsupported_parameter``) naming it in ``param``, unless its value asks for nothing (null, the
+  field's default, an empty list) — so a client never gets an unconstrained 200 for a constrained
+  request.
+
+Output constraints (OpenAI's ``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
+SGLang's ``regex`` / ``ebnf`` / ``json_schema``) are implemented: ``idleless.server.constraints``.
 
 Any other name is a 400 (``unknown_parameter``) naming it, as OpenAI answers "Unrecognized request
 argument supplied". The same holds for the keys of /generate's ``sampling_params``. Inside nested
@@ -185,9 +187,8 @@ def unsupported_check(name: str, value: Any, unsupported: dict[str, tuple], igno
 
 
 _STRUCTURED = {name: OFF for name in (
-    # vLLM's structured outputs (new and older names), SGLang's constraints, OpenAI-compatible xgrammar tags
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "regex", "ebnf", "json_schema", "structural_tag")}
+    # vLLM's and SGLang's constraint fields not implemented (the rest are fields: idleless.server.constraints)
+    "guided_whitespace_pattern", "structural_tag")}
 # vLLM / SGLang sampling and serving extras we do not implement (both OpenAI routes)
 _EXTRAS = {
     **_STRUCTURED,
@@ -196,7 +197,6 @@ _EXTRAS = {
     "spaces_between_special_tokens": (None, True), "cache_salt": (None,),
     "kv_transfer_params": (None,), "vllm_xargs": (None,), "logits_processors": OFF, "return_hidden_states": OFF_BOOL,
     "lora_path": (None,), "mm_processor_kwargs": (None,), "no_stop_trim": OFF_BOOL, "custom_logit_processor": (None,),
-    "response_format": (None, {"type": "text"}),
 }
 # known fields that cannot change the output: OpenAI's bookkeeping, vLLM's request id
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -249,6 +249,37 @@ class _SamplingRequest(_Checked):
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     priority: Optional[StrictInt] = 0  # vLLM's: higher is admitted first and retracted last
+    # output constraints (idleless.server.constraints): OpenAI's, vLLM's (new and older names), SGLang's
+    response_format: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    regex: Optional[Any] = None
+    ebnf: Optional[Any] = None
+    json_schema: Optional[Any] = None
+
+    def structured_output(self):
+        """The request's one output constraint (a ``StructuredOutput``) or None; APIError(400) naming
+        the field for an invalid schema, regex or grammar, or for two constraints at once."""
+        from idleless.server import constraints as c
+
+        def opt(kind, name):
+            v = getattr(self, name)
+            if v is None:
+                return None
+            return c.make(kind, c.schema_text(v, name) if kind == "json_schema" else v, name)
+
+        c.check_backend(self.guided_decoding_backend, "guided_decoding_backend")
+        return c.one_of([
+            ("response_format", c.from_response_format(self.response_format)),
+            ("structured_outputs", c.from_structured_outputs(self.structured_outputs)),
+            ("guided_json", opt("json_schema", "guided_json")), ("guided_regex", opt("regex", "guided_regex")),
+            ("guided_choice", opt("choice", "guided_choice")), ("guided_grammar", opt("ebnf", "guided_grammar")),
+            ("regex", opt("regex", "regex")), ("ebnf", opt("ebnf", "ebnf")),
+            ("json_schema", opt("json_schema", "json_schema"))])
 
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -309,7 +340,8 @@ class _SamplingRequest(_Checked):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=d(self.skip_special_tokens, True), logprobs=logprobs, top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs, n=n, logit_bias=logit_bias_ids(self.logit_bias, "logit_bias")))
+            prompt_logprobs=prompt_logprobs, n=n, logit_bias=logit_bias_ids(self.logit_bias, "logit_bias"),
+            structured_output=self.structured_output()))
 
     @staticmethod
     def _harden(params: SamplingParams) -> SamplingParams:
@@ -496,9 +528,12 @@ class GenerateRequest(_Checked):
     ``top_logprobs_num`` alternatives per position (0..20); ``return_text_in_logprobs`` adds each
     token's text. The prompt's entries are set with these, not in ``sampling_params``.
 
+    ``sampling_params`` may set one output constraint, as SGLang's: ``regex``, ``ebnf`` or
+    ``json_schema`` (the schema's JSON text). ``priority``: higher is admitted first.
+
     SGLang's names this server does not implement are refused (module docstring): at the top level
     (``image_data``, ``lora_path``, ``return_hidden_states``, ...) and in
-    ``sampling_params`` (``regex``, ``ebnf``, ``json_schema``, ``structural_tag``, ...)."""
+    ``sampling_params`` (``structural_tag``, ``custom_params``, ...)."""
 
     IGNORED: ClassVar[frozenset] = frozenset({"log_metrics"})
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {name: (None,) for name in (
@@ -506,9 +541,11 @@ class GenerateRequest(_Checked):
         "session_params", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
         "data_parallel_rank", "modalities")} | {"return_hidden_states": OFF_BOOL}
     SAMPLING_UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **{k: OFF for k in ("regex", "ebnf", "json_schema", "structural_tag", "custom_params", "stop_regex")},
+        **{k: OFF for k in ("structural_tag", "custom_params", "stop_regex")},
         "no_stop_trim": OFF_BOOL, "spaces_between_special_tokens": (None, True), "sampling_seed": (None,)}
     SAMPLING_IGNORED: ClassVar[frozenset] = frozenset({"stream_interval"})  # streaming granularity only
+    # SGLang's output constraints in sampling_params -> our kinds (json_schema is the schema's JSON text)
+    SAMPLING_CONSTRAINTS: ClassVar[dict[str, str]] = {"regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema"}
 
     input_ids: Optional[TokenIds] = None
     text: Optional[str] = None
@@ -521,8 +558,22 @@ class GenerateRequest(_Checked):
     return_text_in_logprobs: Optional[StrictBool] = False
     priority: Optional[StrictInt] = 0  # SGLang's: higher is admitted first and retracted last
 
+    def _structured_output(self):
+        """SGLang's one constraint among sampling_params' regex, ebnf and json_schema (or None)."""
+        from idleless.server import constraints as c
+
+        found = []
+        for k, kind in self.SAMPLING_CONSTRAINTS.items():
+            v = self.sampling_params.get(k)
+            if v is not None:
+                name = f"sampling_params.{k}"
+                found.append((name, c.make(kind, c.schema_text(v, name) if kind == "json_schema" else v, name)))
+        return c.one_of(found)
+
     def params(self) -> SamplingParams:
-        allowed = set(SamplingParams.__dataclass_fields__) - {"prompt_logprobs", "prompt_logprobs_start"}
+        allowed = set(SamplingParams.__dataclass_fields__) - {"prompt_logprobs", "prompt_logprobs_start",
+                                                              "structured_output"}
+        constraint = self._structured_output()
         if {"prompt_logprobs", "prompt_logprobs_start"} & set(self.sampling_params):
             raise APIError(400, "set the prompt's logprobs with return_logprob and logprob_start_len (SGLang's "
                            "fields), not in sampling_params", param="sampling_params", code="invalid_value")
@@ -534,7 +585,7 @@ class GenerateRequest(_Checked):
             raise APIError(400, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                            param="top_logprobs_num", code="invalid_value")
         for k, v in self.sampling_params.items():
-            if k not in allowed:
+            if k not in allowed and k not in self.SAMPLING_CONSTRAINTS:
                 unsupported_check(k, v, self.SAMPLING_UNSUPPORTED, self.SAMPLING_IGNORED, f"sampling_params.{k}")
         types = {"temperature": float, "top_p": float, "min_p": float, "repetition_penalty": float,
                  "frequency_penalty": float, "presence_penalty": float, "top_k": int, "max_new_tokens": int,
@@ -575,7 +626,7 @@ class GenerateRequest(_Checked):
             kw.update(logprobs=True, top_logprobs=top)
             if start >= 0:
                 kw.update(prompt_logprobs=top, prompt_logprobs_start=start)
-        p = _SamplingRequest._harden(SamplingParams(**kw))
+        p = _SamplingRequest._harden(SamplingParams(**kw, structured_output=constraint))
         if not 1 <= p.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}]", param="sampling_params.n", code="invalid_value")
         if p.seed is not None and not SEED_MIN <= p.seed <= SEED_MAX:

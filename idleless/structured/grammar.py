@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,13 +75,11 @@ def build_grammar(spec: StructuredOutput):
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(spec.value)))
-        if spec.kind == "ebnf":
-            return xgr.Grammar.from_ebnf(spec.value)
-        return xgr.Grammar.from_structural_tag(spec.value)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/TypeError subclasses for bad input
-        raise ValueError(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__) from None
+        return xgr.Grammar.from_ebnf(spec.value)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and others) for bad input
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        # "[18:09:34] /project/cpp/regex_converter.cc:94: Regex parsing error ..." -> the message
+        raise ValueError(re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else type(e).__name__) from None
 
 
 def check(spec: StructuredOutput) -> None:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag")
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,7 @@ class StructuredOutput:
     kind: ``json_schema`` (value: the schema as canonical JSON text), ``json_object`` (any JSON object;
     value ""), ``regex`` (value: the pattern, xgrammar's ECMAScript-like regex syntax), ``choice`` (value:
     a JSON list of the allowed strings), ``ebnf`` (value: a GBNF/EBNF grammar whose start rule is
-    ``root``, xgrammar's syntax), ``structural_tag`` (value: xgrammar's structural-tag JSON: free text
-    with tagged, schema-constrained segments; tool calls use it).
+    ``root``, xgrammar's syntax).
     Build with the ``of_*`` constructors, which serialise the value one way (the schema's property
     order kept: it is the generation order), so equal constraints share one compiled grammar. Raises
     ValueError for an unknown kind."""
