@@ -6,7 +6,8 @@ import torch
 
 from idleless.cache.kv_pool import KVPool
 from idleless.model import cpu_kernels
-from idleless.model.attention import CompositeAttention, TorchNativeAttention
+from idleless.model.attention import CompositeAttention, FusedDecodeAttention, TorchNativeAttention
+from idleless.model.attention.invariant import TorchChunkedAttention
 from idleless.quant.kv import QuantizedKV
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -111,13 +112,69 @@ def test_attention_reads_the_stored_format(fmt, kind):
     assert (out.double() - ref).abs().max() < 2e-5
 
 
-def test_quantized_pool_keeps_the_kernels_off_attention():
-    """The C attention kernels read K/V in their own dtype only: a quantised pool routes every part to
-    the PyTorch backends (which dequantise the rows they gather) and writes through the quantiser."""
+def test_quantized_pool_routing():
+    """The fused decode kernel reads a quantised pool in place (decode_attn_q8); the other C attention
+    kernels read K/V of their own dtype only, so extends and segments go to padded flash, which
+    dequantises the rows it gathers; writes go through the quantiser."""
     kern = cpu_kernels.load(torch.float32)
     if kern is None:
         pytest.skip("no C compiler")
     pool = KVPool(2, HKV, D, 64, torch.float32, cache_dtype="int8")
     attn = CompositeAttention(pool, H, HKV, D, kernels=kern)
-    assert attn.kernels is None and attn.decode_backend is attn.flash and attn.segment_backend is attn.flash
-    assert attn._write_kv == attn._write_kv_quantized
+    assert isinstance(attn.decode_backend, FusedDecodeAttention) and attn.decode_backend.kernels is kern
+    assert attn.extend_backend is attn.flash and attn.segment_backend is attn.flash and attn.kernels is None
+    assert attn._write_kv == attn._write_kv_q8_kernel
+    assert TorchNativeAttention(pool, H, HKV, D)._write_kv == attn._write_kv_quantized
+    det = CompositeAttention(pool, H, HKV, D, kernels=kern, deterministic=True)
+    assert isinstance(det.decode_backend, TorchChunkedAttention)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_reads_bytes_and_scales(fmt):
+    """decode_attn_q8 alone on scattered slots with GQA, against float64 over the dequantised K/V, and
+    its log-sum-exp against the float64 one."""
+    kern = cpu_kernels.load(torch.float32)
+    if kern is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(2)
+    pool = KVPool(1, HKV, D, 100, torch.float32, cache_dtype=fmt)
+    k, v = pool.layer_kv(0)
+    k.write(torch.arange(100), torch.randn(100, HKV, D, generator=g) * 4)
+    v.write(torch.arange(100), torch.randn(100, HKV, D, generator=g))
+    lens = [1, 37, 60]
+    slots = torch.randperm(100, generator=g)[:sum(lens)]
+    offsets = torch.tensor([0] + lens).cumsum(0)
+    q = torch.randn(3, H, D, generator=g)
+    out, lse = torch.empty(3, H, D), torch.empty(3, H)
+    rows = torch.arange(3)
+    kern.decode_attn_q8(q, rows, k, v, slots, offsets, D ** -0.5, out, rows, lse)
+    kd, vd = k.index_select(0, torch.arange(100)).double(), v.index_select(0, torch.arange(100)).double()
+    for b in range(3):
+        sl = slots[offsets[b]:offsets[b + 1]]
+        kk, vv = kd[sl].repeat_interleave(H // HKV, 1), vd[sl].repeat_interleave(H // HKV, 1)
+        s = torch.einsum("hd,lhd->hl", q[b].double(), kk) * D ** -0.5
+        assert (out[b].double() - torch.einsum("hl,lhd->hd", s.softmax(-1), vv)).abs().max() < 1e-5
+        assert (lse[b].double() - s.logsumexp(-1)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_bytes_of_the_torch_quantiser(fmt, dtype):
+    """kv_write_q8 stores the same bytes and scales as QuantizedKV.write (PyTorch's round-to-nearest-
+    even conversions), on values that hit ties, zeros, subnormal fp8 codes and the format's top."""
+    kern = cpu_kernels.load(dtype)
+    if kern is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, HKV, D, generator=g) * torch.logspace(-3, 3, 40)[:, None, None]
+    x[0] = 0  # an all-zero row: scale 0
+    x[1, :, :] = torch.linspace(-1, 1, D)  # exact ties after scaling for int8 (k/15 * 127)
+    x[2, 0, :] = -0.0
+    x = x.to(dtype)
+    slots = torch.randperm(64, generator=g)[:40]
+    a = KVPool(1, HKV, D, 64, dtype, cache_dtype=fmt)
+    b = KVPool(1, HKV, D, 64, dtype, cache_dtype=fmt)
+    a.layer_kv(0)[0].write(slots, x)
+    kern.kv_write_q8(b.layer_kv(0)[0], x, slots)
+    assert torch.equal(a.k_scale, b.k_scale)
+    assert torch.equal(a.k_cache.view(torch.uint8), b.k_cache.view(torch.uint8))

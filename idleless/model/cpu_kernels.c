@@ -1244,3 +1244,142 @@ int q41_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_
 
 DEFINE_QUANT_KERNELS(f32, float)
 DEFINE_QUANT_KERNELS(bf16, uint16_t)
+
+/* ---- Decode attention over a quantised KV cache (issue 14) -------------------------------------------
+ * decode_attn's contract with K/V stored as one byte per element (int8 or fp8, decoded by lut[256] into
+ * float32) and a float32 scale per (slot, kv head): key j of kv head h is lut[k_bytes] * k_scale[slot, h].
+ * The scale multiplies the dot product (q . k = s_k (q . lut[kb])) and the probability (p v = (p s_v)
+ * lut[vb]), so each element costs one table read. No dequantised copy: rows are decoded into a
+ * head_dim buffer as they are read. Softmax in float32, two passes, as decode_attn. */
+#define DEFINE_DECODE_Q8(SUF, T)                                                                               \
+void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const uint8_t *k_cache,           \
+                          const uint8_t *v_cache, const float *k_scale, const float *v_scale,                  \
+                          const float *lut, const int64_t *slots, const int64_t *off, int64_t nb, int64_t nh,  \
+                          int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, float *lse,             \
+                          const int64_t *orow) {                                                               \
+    int64_t grp = nh / nkv, max_len = 0, total = 0;                                                            \
+    for (int64_t b = 0; b < nb; b++) {                                                                         \
+        int64_t len = off[b + 1] - off[b];                                                                     \
+        if (len > max_len) max_len = len;                                                                      \
+        total += len;                                                                                          \
+    }                                                                                                          \
+    int64_t per = grp * (max_len > 0 ? max_len : 1);                                                           \
+    float *sc_all = (float *)malloc(sizeof(float) * (size_t)(per * MAX_THREADS()));                            \
+    if (!sc_all) return;                                                                                       \
+    _Pragma("omp parallel if (total * nh * d >= PAR_MIN_WORK)")                                                \
+    {                                                                                                          \
+    float *sc = sc_all + per * THREAD_ID();                                                                    \
+    float qf[grp][d], acc[grp][d], kf[d];                                                                      \
+    _Pragma("omp for schedule(dynamic, 2)")                                                                    \
+    for (int64_t b = 0; b < nb; b++) {                                                                         \
+        int64_t len = off[b + 1] - off[b];                                                                     \
+        const int64_t *sl = slots + off[b];                                                                    \
+        for (int64_t kh = 0; kh < nkv; kh++) {                                                                 \
+            float mx[grp], sum[grp];                                                                           \
+            for (int64_t g = 0; g < grp; g++) {                                                                \
+                for (int64_t i = 0; i < d; i++)                                                                \
+                    qf[g][i] = LD_##SUF(q + qrow[b] * q_stride + (kh * grp + g) * d + i);                      \
+                mx[g] = -INFINITY;                                                                             \
+            }                                                                                                  \
+            for (int64_t j = 0; j < len; j++) {                                                                \
+                const uint8_t *kr = k_cache + (sl[j] * nkv + kh) * d;                                          \
+                for (int64_t i = 0; i < d; i++) kf[i] = lut[kr[i]];                                            \
+                float ks = k_scale[sl[j] * nkv + kh] * scale;                                                  \
+                for (int64_t g = 0; g < grp; g++) {                                                            \
+                    float p[16] = {0};                                                                         \
+                    int64_t i = 0;                                                                             \
+                    for (; i + 16 <= d; i += 16)                                                               \
+                        for (int l = 0; l < 16; l++) p[l] += qf[g][i + l] * kf[i + l];                        \
+                    for (; i < d; i++) p[0] += qf[g][i] * kf[i];                                               \
+                    float s = 0.f;                                                                             \
+                    for (int l = 0; l < 16; l++) s += p[l];                                                    \
+                    s *= ks;                                                                                   \
+                    sc[g * len + j] = s;                                                                       \
+                    if (s > mx[g]) mx[g] = s;                                                                  \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int64_t g = 0; g < grp; g++) {                                                                \
+                sum[g] = 0.f;                                                                                  \
+                for (int64_t j = 0; j < len; j++) {                                                            \
+                    float e = fast_expf(sc[g * len + j] - mx[g]);                                              \
+                    sc[g * len + j] = e;                                                                       \
+                    sum[g] += e;                                                                               \
+                }                                                                                              \
+                for (int64_t i = 0; i < d; i++) acc[g][i] = 0.f;                                               \
+            }                                                                                                  \
+            for (int64_t j = 0; j < len; j++) {                                                                \
+                const uint8_t *vr = v_cache + (sl[j] * nkv + kh) * d;                                          \
+                for (int64_t i = 0; i < d; i++) kf[i] = lut[vr[i]];                                            \
+                float vs = v_scale[sl[j] * nkv + kh];                                                          \
+                for (int64_t g = 0; g < grp; g++) {                                                            \
+                    float pj = sc[g * len + j] * vs;                                                           \
+                    for (int64_t i = 0; i < d; i++) acc[g][i] += pj * kf[i];                                   \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int64_t g = 0; g < grp; g++) {                                                                \
+                int64_t hd = kh * grp + g;                                                                     \
+                float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                                     \
+                for (int64_t i = 0; i < d; i++) {                                                              \
+                    float o = acc[g][i] * inv;                                                                 \
+                    if (out_f) out_f[(orow[b] * nh + hd) * d + i] = o;                                         \
+                    else ST_##SUF(out_t + (orow[b] * nh + hd) * d + i, o);                                     \
+                }                                                                                              \
+                if (lse) lse[orow[b] * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;                  \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    }                                                                                                          \
+    free(sc_all);                                                                                              \
+}
+
+DEFINE_DECODE_Q8(f32, float)
+DEFINE_DECODE_Q8(bf16, uint16_t)
+
+/* Write n rows into a quantised KV cache layer: for row r and kv head h, x = src[r][h] ([d], rows
+ * src_stride apart), scale = max|x| / fmax, y = x / scale (x itself when scale is 0), stored at slot
+ * slots[r] as one byte per element: int8 (is_int8: y rounded half to even, clamped to +-127) or an
+ * fp8 code (y clamped to +-fmax, rounded to the nearest value of lut[0..127], the format's
+ * non-negative codes in increasing order, ties to the even code, sign in bit 7). The same bytes as
+ * idleless.quant.formats.quantize_rows (PyTorch's conversions round to nearest even). */
+static inline uint8_t fp8_code(float y, const float *lut, int64_t top) {
+    float a = fabsf(y);
+    int64_t lo = 0, hi = top; /* lut[lo] <= a < lut[hi] after the search (a <= lut[top] after the clamp) */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (lut[mid] <= a) lo = mid; else hi = mid;
+    }
+    int64_t c = lo;
+    if (a >= lut[top]) c = top;
+    else {
+        float dl = a - lut[lo], dh = lut[hi] - a;
+        c = dh < dl ? hi : (dl < dh ? lo : (lo % 2 == 0 ? lo : hi));
+    }
+    return (uint8_t)c | (signbit(y) ? 0x80 : 0);
+}
+
+#define DEFINE_KV_WRITE_Q8(SUF, T)                                                                             \
+void kv_write_q8_##SUF(uint8_t *cache, float *scale_out, const T *src, int64_t src_stride, const int64_t *slots, \
+                       int64_t n, int64_t nkv, int64_t d, const float *lut, int64_t top, float fmax,           \
+                       int64_t is_int8) {                                                                      \
+    _Pragma("omp parallel for if (n * nkv * d >= PAR_MIN_WORK)")                                               \
+    for (int64_t r = 0; r < n; r++)                                                                            \
+        for (int64_t h = 0; h < nkv; h++) {                                                                    \
+            const T *x = src + r * src_stride + h * d;                                                         \
+            uint8_t *dst = cache + (slots[r] * nkv + h) * d;                                                   \
+            float amax = 0.f;                                                                                  \
+            for (int64_t i = 0; i < d; i++) {                                                                  \
+                float a = fabsf(LD_##SUF(x + i));                                                              \
+                amax = a > amax ? a : amax;                                                                    \
+            }                                                                                                  \
+            float s = amax / fmax, div = s != 0.f ? s : 1.f;                                                   \
+            scale_out[slots[r] * nkv + h] = s;                                                                 \
+            for (int64_t i = 0; i < d; i++) {                                                                  \
+                float y = LD_##SUF(x + i) / div;                                                               \
+                y = y > fmax ? fmax : (y < -fmax ? -fmax : y);                                                 \
+                dst[i] = is_int8 ? (uint8_t)(int8_t)rintf(y) : fp8_code(y, lut, top);                          \
+            }                                                                                                  \
+        }                                                                                                      \
+}
+
+DEFINE_KV_WRITE_Q8(f32, float)
+DEFINE_KV_WRITE_Q8(bf16, uint16_t)

@@ -47,6 +47,8 @@ _LIB: dict[str, Optional[ctypes.CDLL]] = {}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
+    "decode_attn_q8": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
+    "kv_write_q8": [_P, _P, _P, _I, _P, _I, _I, _I, _P, _I, _F, _I],
     "rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F],
     "rope": [_P, _I, _P, _P, _P, _I, _I, _I],
     "silu_mul": [_P, _P, _I, _I],
@@ -267,6 +269,46 @@ class CpuKernels:
                           slots.data_ptr(), offsets.data_ptr(), nb, H, Hkv, D, scale,
                           out.data_ptr() if as_float else None, None if as_float else out.data_ptr(),
                           _ptr(lse), out_rows.data_ptr())
+
+    def decode_attn_q8(self, q: torch.Tensor, q_rows: torch.Tensor, k, v, slots: torch.Tensor,
+                       offsets: torch.Tensor, scale: float, out: torch.Tensor, out_rows: torch.Tensor,
+                       lse: Optional[torch.Tensor] = None) -> None:
+        """``decode_attn`` over a quantised KV cache: k, v are ``idleless.quant.kv.QuantizedKV`` layers
+        (one byte per element, int8 or fp8, decoded through their ``lut``, and a float32 scale per slot
+        and KV head), read in place (no dequantised copy). Other arguments as ``decode_attn``."""
+        self._check(q)
+        nb = q_rows.numel()
+        _, H, D = q.shape
+        Hkv = k.shape[1]
+        kd, vd = k.data, v.data
+        if (q.stride(2) != 1 or q.stride(1) != D or not kd.is_contiguous() or not vd.is_contiguous()
+                or kd.shape[2] != D or not k.scale.is_contiguous() or not v.scale.is_contiguous()
+                or offsets.numel() != nb + 1 or out_rows.numel() != nb or out.shape[1:] != (H, D)
+                or not out.is_contiguous() or out.dtype not in (torch.float32, self.dtype)):
+            raise ValueError("decode_attn_q8: layout mismatch")
+        if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
+            raise ValueError("decode_attn_q8: lse must be contiguous float32")
+        _check_index(q_rows, slots, offsets, out_rows)
+        as_float = out.dtype == torch.float32
+        self._decode_attn_q8(q.data_ptr(), q.stride(0), q_rows.data_ptr(), kd.data_ptr(), vd.data_ptr(),
+                             k.scale.data_ptr(), v.scale.data_ptr(), k.lut.data_ptr(), slots.data_ptr(),
+                             offsets.data_ptr(), nb, H, Hkv, D, scale, out.data_ptr() if as_float else None,
+                             None if as_float else out.data_ptr(), _ptr(lse), out_rows.data_ptr())
+
+    def kv_write_q8(self, layer, src: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantise src [n, Hkv, D] (the kernels' dtype, contiguous rows, row stride free) into the
+        quantised KV layer ``layer`` (``idleless.quant.kv.QuantizedKV``) at slots (int64 [n]): a scale
+        per (row, head) and one byte per element, the same bytes as ``QuantizedKV.write``'s PyTorch ops."""
+        self._check(src)
+        n = src.shape[0]
+        data = layer.data
+        if (not data.is_contiguous() or not layer.scale.is_contiguous() or src.shape[1:] != data.shape[1:]
+                or src.stride(2) != 1 or src.stride(1) != src.shape[2] or slots.numel() != n):
+            raise ValueError("kv_write_q8: layout mismatch")
+        _check_index(slots)
+        self._kv_write_q8(data.data_ptr(), layer.scale.data_ptr(), src.data_ptr(), src.stride(0), slots.data_ptr(),
+                          n, data.shape[1], data.shape[2], layer.lut.data_ptr(), layer.top, layer.fmax,
+                          int(data.dtype == torch.int8))
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor,
               src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from idleless.quant.formats import quantize_rows
+from idleless.quant.formats import FMAX, quantize_rows
 
 #: ``--kv-cache-dtype`` name -> storage dtype of the quantised formats
 KV_STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -26,6 +26,11 @@ class QuantizedKV:
         self.scale = scale
         self.out_dtype = out_dtype
         self._bits = data.view(torch.uint8)  # copies and gathers by bytes (fp8 has no index kernels on CPU)
+        #: float32 [256]: the value of each byte pattern of the format (what the C decode kernel reads)
+        self.lut = torch.arange(256, dtype=torch.uint8).view(data.dtype).float()
+        self.fmax = FMAX[data.dtype]
+        #: the code of the largest finite value (the positive codes 0..top increase with their value)
+        self.top = int((self.lut[:128] == self.fmax).nonzero()[0]) if data.dtype != torch.int8 else 127
 
     @property
     def shape(self) -> torch.Size:

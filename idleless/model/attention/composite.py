@@ -125,8 +125,9 @@ class CompositeAttention:
     ``extend_backend`` (longer tails), ``segment_backend``; ``flash`` takes everything under a sliding window.
     ``use_segments`` False attends shared prefixes inside each tail.
 
-    A quantised KV pool (``KVPool.quantized``) is read by the PyTorch backends, which dequantise only
-    the rows they gather (``idleless.quant.kv``): padded flash, and its chunked twin when deterministic.
+    A quantised KV pool (``KVPool.quantized``) is read in place by the fused decode kernel
+    (``decode_attn_q8``) and by the PyTorch backends, which dequantise only the rows they gather
+    (``idleless.quant.kv``): padded flash for the rest, its chunked twin when deterministic.
 
     deterministic: every part goes to the batch-invariant backend (``invariant.ChunkedAttention``, or
     its PyTorch twin without kernels), with shared segments aligned to its chunks, so a row's output
@@ -137,14 +138,17 @@ class CompositeAttention:
         self.pool = pool
         # per-layer views [num_slots, Hkv, D] (or QuantizedKV views), made once (not per call)
         self._k_layers, self._v_layers = map(list, zip(*(pool.layer_kv(i) for i in range(pool.k_cache.shape[0]))))
-        # the kernels read K/V stored in their own dtype only; other storage (a quantised KV cache, bf16 K/V
-        # under a float32 model) goes to the PyTorch backends, which read the rows they gather
+        # the kernels read K/V stored in their own dtype, and the decode kernel a quantised pool too; other
+        # storage (bf16 K/V under a float32 model) and the other parts of a quantised pool go to the
+        # PyTorch backends, which read the rows they gather
+        model_kern = kernels if kernels is not None and kernels.dtype == pool.compute_dtype else None
         self.kernels = kernels if kernels is not None and kernels.dtype == pool.dtype else None
         self.sliding_window = sliding_window  # Mistral: a query sees only the last `sliding_window` keys
         self.use_segments = True
         kern = self.kernels
         self.flash = PaddedFlashAttention(num_heads, num_kv_heads, head_dim, pool.compute_dtype, kern)
-        decode = FusedDecodeAttention(kern, head_dim) if kern is not None else None
+        decode_kern = model_kern if pool.quantized else kern
+        decode = FusedDecodeAttention(decode_kern, head_dim) if decode_kern is not None else None
         ragged = (RaggedAmxAttention(pool, kern, num_kv_heads, head_dim)
                   if RaggedAmxAttention.supports(kern, head_dim) else None)
         self.decode_backend: AttentionBackend = decode or self.flash
@@ -159,8 +163,11 @@ class CompositeAttention:
                 TorchChunkedAttention(num_heads, head_dim)
             self.decode_backend = self.extend_backend = self.segment_backend = inv
             self.segment_align = inv.segment_align
-        self._write_kv = (self._write_kv_quantized if pool.quantized else  # chosen once
-                          self._write_kv_kernel if kern is not None else self._write_kv_torch)
+        self._model_kernels = model_kern
+        if pool.quantized:  # chosen once
+            self._write_kv = self._write_kv_q8_kernel if model_kern is not None else self._write_kv_quantized
+        else:
+            self._write_kv = self._write_kv_kernel if kern is not None else self._write_kv_torch
 
     def prepare(self, extend_lens: list[int], prefix_lens: list[int],
                 slot_tables: list[torch.Tensor]) -> AttnMetadata:
@@ -231,6 +238,10 @@ class CompositeAttention:
     def _write_kv_kernel(self, kc, vc, k, v, loc) -> None:
         self.kernels.kv_write(kc, k, loc)
         self.kernels.kv_write(vc, v, loc)
+
+    def _write_kv_q8_kernel(self, kc, vc, k, v, loc) -> None:
+        self._model_kernels.kv_write_q8(kc, k, loc)
+        self._model_kernels.kv_write_q8(vc, v, loc)
 
     @staticmethod
     def _write_kv_quantized(kc, vc, k, v, loc) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from idleless.model.attention.base import AttentionBackend, AttnWork, BackendPlan
+from idleless.quant.kv import QuantizedKV
 
 
 # The most new tokens of a tail this backend takes (each becomes a decode row).
@@ -32,7 +33,8 @@ class DecodeGroup:
 
 class FusedDecodeAttention(AttentionBackend):
     """Tails of 1 to ``max_new`` new tokens in the decode kernel, one decode row per new token.
-    kernels: a CpuKernels of the pool's dtype."""
+    kernels: a CpuKernels of the pool's dtype, or of the model's over a quantised pool (K/V layers
+    given as ``QuantizedKV``: ``decode_attn_q8`` reads the stored bytes and scales)."""
 
     max_new = MAX_NEW_ROWS
 
@@ -66,6 +68,7 @@ class FusedDecodeAttention(AttentionBackend):
     def forward(self, q, kc, vc, layer_id, plan, out, lse):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
+        attn = self.kernels.decode_attn_q8 if isinstance(kc, QuantizedKV) else self.kernels.decode_attn
         for g in plan.tails:
-            self.kernels.decode_attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows, lse)
+            attn(q, g.rows, kc, vc, g.slots, g.offsets, self.scale, out, g.rows, lse)
         return out
