@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -39,6 +40,7 @@ def fake_worker(name: str, mode: dict) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        await asyncio.sleep(mode.get("health_delay", 0))
         return Response(status_code=mode.get("health", 200))
 
     @app.get("/get_server_info")
@@ -262,11 +264,13 @@ def test_exact_follows_a_workers_kv_events():
 
 def test_health_checks_take_a_worker_out_and_back():
     """Two failed checks in a row (the threshold) mark a worker unhealthy and new traffic avoids it;
-    one passing check brings it back (a restarted worker rejoins)."""
+    one passing check brings it back (a restarted worker rejoins). A check that times out is no failure
+    while the worker is still sending bytes."""
     async def main():
         mode_a = {}
         async with Served(fake_worker("a", mode_a)) as a, Served(fake_worker("b", {})) as b:
-            router, rsrv = await _router([a.url, b.url], "--policy", "round_robin")
+            router, rsrv = await _router([a.url, b.url], "--policy", "round_robin", "--health-failure-threshold", "2",
+                                         "--health-check-timeout-secs", "0.3")
             pool, wa = router.pool, router.pool.workers[a.url]
             async with rsrv, httpx.AsyncClient(base_url=rsrv.url, timeout=30) as c:
                 mode_a["health"] = 503
@@ -279,6 +283,17 @@ def test_health_checks_take_a_worker_out_and_back():
                 mode_a["health"] = 200
                 await pool.check(wa)
                 assert wa.healthy and not wa.dead.is_set()
+                # /health answers late (a busy engine): no failure while the worker still streams bytes ...
+                mode_a["health_delay"] = 1.0
+                wa.last_progress = time.monotonic()
+                assert await pool.check(wa) is False and wa.healthy and wa.failures == 0
+                # ... but a worker that sends nothing and never answers fails like a dead one
+                wa.last_progress = 0.0
+                await pool.check(wa)
+                await pool.check(wa)
+                assert not wa.healthy
+                mode_a["health_delay"] = 0
+                await pool.check(wa)
                 got = {(await c.post("/v1/completions", json={"prompt": "x"})).json()["worker"] for _ in range(2)}
                 assert got == {"a", "b"}
             await pool.stop()

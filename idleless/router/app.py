@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -172,6 +173,7 @@ class Router:
             finally:
                 await resp.aclose()
                 w.finish(key)
+            w.last_progress = time.monotonic()
             m = _CACHED.search(content)
             if m:
                 w.cached_tokens += int(m.group(1))
@@ -193,6 +195,7 @@ class Router:
                     except StopAsyncIteration:
                         break
                     w.started(key)
+                    w.last_progress = time.monotonic()
                     ended = ended or chunk.rstrip().endswith(b"[DONE]")
                     m = _CACHED.search(chunk)
                     if m:

@@ -40,8 +40,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="exact: the workers' tokenizer (default: the first worker's)")
     p.add_argument("--chat-template", default=None, help="exact: the workers' --chat-template, if they have one")
     p.add_argument("--health-check-interval-secs", type=float, default=5.0, help="seconds between health checks")
-    p.add_argument("--health-failure-threshold", type=int, default=2,
-                   help="failed checks in a row that mark a worker unhealthy (default 2)")
+    p.add_argument("--health-check-timeout-secs", type=float, default=10.0,
+                   help="seconds a health check waits (default 10; a worker still streaming is never failed by a "
+                        "slow check)")
+    p.add_argument("--health-failure-threshold", type=int, default=3,
+                   help="failed checks in a row that mark a worker unhealthy (default 3)")
     p.add_argument("--max-attempts", type=int, default=3, help="workers tried for a request that did not start")
     p.add_argument("--cache-threshold", type=float, default=0.3, help="cache_aware_approx: match share to follow")
     p.add_argument("--balance-abs-threshold", type=int, default=64, help="cache_aware_approx: load gap (requests)")
@@ -94,6 +97,7 @@ async def build_router(args: argparse.Namespace) -> Router:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     pool = WorkerPool(client, health_interval_s=args.health_check_interval_secs,
+                      health_timeout_s=args.health_check_timeout_secs,
                       failure_threshold=args.health_failure_threshold, headers=headers,
                       use_kv_events=args.policy == "exact" or args.track_cache_hits)
     for url in args.worker_urls:

@@ -3,7 +3,10 @@ the ``WorkerPool`` that checks them.
 
 Health: ``GET /health`` every ``health_interval_s``; ``failure_threshold`` failures in a row (or a
 request that could not connect) mark a worker unhealthy, which sets its ``dead`` event so requests
-in flight there end at once; one success marks it healthy again (a restarted worker rejoins). When a
+in flight there end at once; one success marks it healthy again (a restarted worker rejoins). A
+check that times out while the worker is still sending bytes (``last_progress`` within the last
+``health_timeout_s``) is not a failure: a worker busy with long steps answers /health late but is
+alive, and ending its streams would turn load into errors. When a
 worker is healthy the pool reads its ``GET /get_server_info``: a ``kv_events_config`` there starts a
 ``KVEventSubscriber`` on its endpoints (the exact policy's index and load reports); without one, its
 load comes from ``GET /v1/loads``.
@@ -50,6 +53,7 @@ class Worker:
         self.healthy = False  # until its first check passes
         self.failures = 0
         self.dead = asyncio.Event()
+        self.last_progress = 0.0  # time.monotonic() of the last byte received from it
         self.requests: dict[int, list] = {}  # key -> [routed at (Unix s), uncached tokens, prompt ids]
         self.engine_load: Optional[dict] = None
         self.subscriber: Optional[KVEventSubscriber] = None
@@ -150,8 +154,8 @@ class WorkerPool:
     """The workers in order of addition, with the health loop. ``headers``: sent on the router's own
     calls to workers (a worker API key)."""
 
-    def __init__(self, client: httpx.AsyncClient, health_interval_s: float = 5.0, health_timeout_s: float = 5.0,
-                 failure_threshold: int = 2, headers: Optional[dict] = None, use_kv_events: bool = True):
+    def __init__(self, client: httpx.AsyncClient, health_interval_s: float = 5.0, health_timeout_s: float = 10.0,
+                 failure_threshold: int = 3, headers: Optional[dict] = None, use_kv_events: bool = True):
         self.client = client
         self.workers: dict[str, Worker] = {}
         self.health_interval_s = health_interval_s
@@ -183,9 +187,14 @@ class WorkerPool:
 
     async def check(self, w: Worker) -> bool:
         """One health check (and, when healthy, the KV-event / load discovery)."""
+        t0 = time.monotonic()
         try:
             r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
             ok = r.status_code == 200
+        except httpx.TimeoutException:
+            ok = False
+            if w.last_progress > t0 - self.health_timeout_s:  # slow to answer, but streaming: busy, not dead
+                return False
         except httpx.HTTPError:
             ok = False
         if ok:
