@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -142,6 +143,10 @@ class EngineConfig:
                                    "W8A8)")
     kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 | int8 (scales per "
                                  "token and KV head); 8-bit formats hold about twice the tokens")
+    # tool calls in chat replies (idleless.server.tool_calls; issue 12); vLLM's and SGLang's flag name
+    tool_call_parser: Optional[str] = option(None, "how tool calls are read from a reply when tool_choice is auto: "
+                                             "hermes | smollm2 | llama3_json (unset: auto is refused; required "
+                                             "and named functions need no parser)")
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -174,6 +179,12 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
         if algo is None:
+            given = [f.name for f in fields(self) if f.name.startswith("speculative_")
+                     and f.name != "speculative_algorithm" and getattr(self, f.name) != f.default]
+            if given:
+                logging.getLogger("idleless").warning(
+                    "%s set without --speculative-algorithm: speculative decoding stays off",
+                    ", ".join("--" + g.replace("_", "-") for g in given))
             return
         algo = {"standalone": "draft", "suffix": "ngram"}.get(algo.lower(), algo.lower())
         if algo not in SPECULATIVE_ALGORITHMS:

@@ -170,6 +170,18 @@ def test_bad_speculative_configuration_is_refused_at_start_up(spec_model):
         _core(spec_model, speculative_algorithm="ngram", speculative_num_draft_tokens=4096)
 
 
+def test_speculative_flags_without_an_algorithm_are_named_in_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="idleless"):
+        EngineConfig(speculative_num_draft_tokens=3, speculative_ngram_max_match_window_size=4)
+    (rec,) = [r for r in caplog.records if "speculative" in r.getMessage()]
+    assert "--speculative-num-draft-tokens" in rec.getMessage() and "stays off" in rec.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="idleless"):
+        EngineConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+        EngineConfig()
+    assert not [r for r in caplog.records if "speculative" in r.getMessage()]
+
+
 # --------------------------------------------------------------------------------------------------
 # the output distribution: a scripted target with known distributions, drafts from another one
 # --------------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class StepCost:
 
     def __init__(self):
         self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, samples]
+        self._pts = None  # the trusted (tokens, seconds) points, sorted; rebuilt after an add
 
     def add(self, tokens: int, seconds: float) -> None:
         """One executed step: ``tokens`` (>= 1) computed in ``seconds``."""
@@ -73,13 +74,16 @@ class StepCost:
         b[0] += w * (tokens - b[0])
         b[1] += w * (seconds - b[1])
         b[2] += 1
+        self._pts = None
 
     def predict(self, tokens: float):
         """Predicted seconds for a step of ``tokens`` tokens, or None before any bucket is trusted."""
-        pts = sorted((x, t) for x, t, n in self._buckets.values() if n >= MIN_SAMPLES)
+        if self._pts is None:
+            pts = sorted((x, t) for x, t, n in self._buckets.values() if n >= MIN_SAMPLES)
+            self._pts = (pts, [x for x, _ in pts])
+        pts, xs = self._pts
         if not pts:
             return None
-        xs = [x for x, _ in pts]
         i = bisect.bisect_left(xs, tokens)
         if i == 0:
             return pts[0][1] * min(1.0, tokens / pts[0][0])
