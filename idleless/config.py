@@ -196,6 +196,9 @@ class EngineConfig:
         if algo == "draft" and not self.speculative_draft_model_path:
             raise ValueError("speculative_algorithm 'draft' needs speculative_draft_model_path (a smaller model "
                              "with the same tokenizer)")
+        if algo == "draft" and not os.path.exists(os.path.expanduser(self.speculative_draft_model_path)):
+            raise ValueError(f"speculative_draft_model_path {self.speculative_draft_model_path!r} does not exist "
+                             "(a .gguf file or an HF model directory)")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if not 1 <= lo <= hi:
             raise ValueError("the ngram match window must satisfy 1 <= min <= max, "

@@ -166,6 +166,8 @@ def test_bad_speculative_configuration_is_refused_at_start_up(spec_model):
         EngineConfig(speculative_algorithm="eagle")
     with pytest.raises(ValueError, match="draft_model_path"):
         EngineConfig(speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="does not exist"):  # before any model is loaded
+        EngineConfig(speculative_algorithm="draft", speculative_draft_model_path="/nonexistent/draft")
     with pytest.raises(ValueError, match="context length"):
         _core(spec_model, speculative_algorithm="ngram", speculative_num_draft_tokens=4096)
 
