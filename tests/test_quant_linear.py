@@ -83,7 +83,7 @@ def _reference(method, w, x, bias):
     qt = layer.quant
     if isinstance(method, W8A8LinearMethod):
         xq, sx = quantize_rows(x, torch.int8)
-        wq = qt["q_t"].t().double() * qt["scale"].double()[:, None]
+        wq = qt["q"].double() * qt["scale"].double()[:, None]
         ref = (xq.double() * sx.double()[:, None]) @ wq.t()
     else:
         if isinstance(method, Q4LinearMethod):
@@ -211,7 +211,7 @@ KERNELS = _kernel_builds()
 @pytest.mark.skipif(not KERNELS, reason="no C compiler: the kernels are not built")
 @pytest.mark.parametrize("build", range(len(KERNELS) or 1), ids=lambda i: f"{KERNELS[i][0]}-{KERNELS[i][1]}"
                          if KERNELS else "none")
-@pytest.mark.parametrize("layout", ["int8", "q4_1"])
+@pytest.mark.parametrize("layout", ["int8", "q4_1", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
 def test_kernel_path_vs_float64(build, layout, rows):
     """The C kernels (batches up to KERNEL_MAX_ROWS) and the torch path above, in float32 and bfloat16,
@@ -224,7 +224,7 @@ def test_kernel_path_vs_float64(build, layout, rows):
     w = torch.randn(300, 160, generator=g) / 10
     bias = torch.randn(300, generator=g).to(dtype)
     x = torch.randn(rows, 200, generator=g)[:, :160].to(dtype)  # strided rows
-    method = Int8LinearMethod(kernels=kern) if layout == "int8" else Q4LinearMethod(kernels=kern)
+    method = {"int8": Int8LinearMethod, "q4_1": Q4LinearMethod, "w8a8": W8A8LinearMethod}[layout](kernels=kern)
     layer, ref = _reference(method, w, x.float(), bias.float())
     with torch.no_grad():
         layer.bias = nn.Parameter(bias, requires_grad=False)
@@ -233,5 +233,5 @@ def test_kernel_path_vs_float64(build, layout, rows):
     scale = float((x.double().abs() @ w.double().abs().t()).max() + bias.double().abs().max())
     tol = 1e-5 * scale if dtype == torch.float32 else 2.0 ** -8 * scale
     assert float((y.double() - ref).abs().max()) <= tol
-    if rows <= KERNEL_MAX_ROWS:  # the kernel's rows do not depend on the batch
-        assert torch.equal(layer(x[:1]), y[:1])
+    if rows <= KERNEL_MAX_ROWS or layout == "w8a8":  # the kernel's rows do not depend on the batch, and
+        assert torch.equal(layer(x[:1]), y[:1])  # W8A8's exact sums give its torch path the kernel's bits

@@ -1383,3 +1383,64 @@ void kv_write_q8_##SUF(uint8_t *cache, float *scale_out, const T *src, int64_t s
 
 DEFINE_KV_WRITE_Q8(f32, float)
 DEFINE_KV_WRITE_Q8(bf16, uint16_t)
+
+/* ---- W8A8: int8 weights and int8 activations (issue 14) -------------------------------------------------
+ * Each row of x is quantised per token (scale sx = max|x| / 127, codes rint(x / sx) clamped to +-127, as
+ * idleless.quant.formats.quantize_rows) and multiplied with the int8 weight rows as integers: int8
+ * pairs widened to int16 and multiply-added into int32 lanes (AVX2 vpmaddwd; scalar elsewhere), an
+ * exact sum in any order, so the result is batch-invariant and equal on every path:
+ *   out[r, c] = T(float(sum_k xq[r, k] q[c, k]) * sx[r] * scale[c] + bias[c]).
+ * Returns 0 if the row buffers cannot be allocated, else 1. */
+static inline int32_t dot_i8(const int8_t *a, const int8_t *b, int64_t k) {
+    int64_t i = 0;
+    int32_t s = 0;
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 16 <= k; i += 16) {
+        __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + i)));
+        __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + i)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(va, vb));
+    }
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, acc);
+    for (int l = 0; l < 8; l++) s += lanes[l];
+#endif
+    for (; i < k; i++) s += (int32_t)a[i] * (int32_t)b[i];
+    return s;
+}
+
+#define DEFINE_W8A8(SUF, T)                                                                                    \
+int w8a8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const float *scale,      \
+                      int64_t n, const T *bias, T *out, int64_t ldo) {                                         \
+    int8_t *xq = (int8_t *)malloc((size_t)(m * k > 0 ? m * k : 1));                                            \
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));                                      \
+    if (!xq || !sx) { free(xq); free(sx); return 0; }                                                          \
+    for (int64_t r = 0; r < m; r++) {                                                                          \
+        float amax = 0.f;                                                                                      \
+        for (int64_t i = 0; i < k; i++) {                                                                      \
+            float a = fabsf(LD_##SUF(x + r * ldx + i));                                                        \
+            amax = a > amax ? a : amax;                                                                        \
+        }                                                                                                      \
+        float s = amax / 127.f, div = s != 0.f ? s : 1.f;                                                      \
+        sx[r] = s;                                                                                             \
+        for (int64_t i = 0; i < k; i++) {                                                                      \
+            float y = rintf(LD_##SUF(x + r * ldx + i) / div);                                                  \
+            xq[r * k + i] = (int8_t)(y > 127.f ? 127.f : (y < -127.f ? -127.f : y));                           \
+        }                                                                                                      \
+    }                                                                                                          \
+    int64_t ntask = (n + Q_COLS - 1) / Q_COLS;                                                                 \
+    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
+    for (int64_t t = 0; t < ntask; t++)                                                                        \
+        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
+            for (int64_t r = 0; r < m; r++) {                                                                  \
+                float v = (float)dot_i8(xq + r * k, q + c * k, k) * sx[r] * scale[c];                          \
+                if (bias) v += LD_##SUF(bias + c);                                                             \
+                ST_##SUF(out + r * ldo + c, v);                                                                \
+            }                                                                                                  \
+    free(xq);                                                                                                  \
+    free(sx);                                                                                                  \
+    return 1;                                                                                                  \
+}
+
+DEFINE_W8A8(f32, float)
+DEFINE_W8A8(bf16, uint16_t)

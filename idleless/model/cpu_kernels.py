@@ -64,6 +64,7 @@ _SIGNATURES_INT = {
     # quantised weights (idleless.quant): x in the kernels' dtype, weights int8 or GGUF Q4_1
     "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
+    "w8a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
 }
 # kernels without a float32 twin: name -> (argtypes, restype)
 _BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
@@ -512,4 +513,20 @@ class CpuKernels:
         if x.shape[0] and not self._q41_linear(x.data_ptr(), x.shape[0], k, x.stride(0), qs.data_ptr(),
                                                d.data_ptr(), m.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("q41_linear: cannot allocate its buffers")
+        return out
+
+    def w8a8_linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """W8A8: each row of x [M, K] (the kernels' dtype, rows may be strided) quantised per token to
+        int8 (``quantize_rows``' codes and scale sx), times q int8 [N, K] as exact int32 sums, then
+        ``float(sum) * sx * scale[c] (+ bias)`` -> new [M, N] in the kernels' dtype. scale: float32 [N].
+        Raises ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
+        n, k = q.shape
+        if (q.dtype != torch.int8 or not q.is_contiguous() or x.shape[1] != k or scale.dtype != torch.float32
+                or scale.numel() != n or not scale.is_contiguous()):
+            raise ValueError("w8a8_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "w8a8_linear")
+        if x.shape[0] and not self._w8a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
+                                                scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("w8a8_linear: cannot allocate its buffers")
         return out

@@ -1,8 +1,8 @@
 """Quantised linear methods (``linear.LinearMethod``): the weight quantised once per weight change in
 ``process_after_load``, read in its quantised form by ``apply``. Portable PyTorch: ``apply`` turns
 ``COL_TILE`` output channels at a time back into the model dtype (a tile's worth of temporary memory,
-never the whole weight) and multiplies; W8A8 multiplies integers exactly (``torch._int_mm``). With the
-CPU kernels (``cpu_kernels.q8_linear`` / ``q41_linear``), int8 and Q4_1 batches of up to
+never the whole weight) and multiplies; W8A8 sums integer products exactly. With the CPU kernels
+(``cpu_kernels.q8_linear`` / ``q41_linear`` / ``w8a8_linear``), int8, Q4_1 and W8A8 batches of up to
 ``KERNEL_MAX_ROWS`` rows (decode, speculative verify) read the quantised weight directly instead.
 
 The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
@@ -10,7 +10,7 @@ weight updates, ``weights.load_weights``); the quantised copy is what the forwar
 
 Formats (``formats``): ``Int8LinearMethod`` (per output channel, symmetric), ``Fp8LinearMethod`` (e4m3
 per output channel), ``Q4LinearMethod`` (GGUF Q4_1 or Q4_0 blocks of 32), ``W8A8LinearMethod`` (int8
-weights per channel, activations quantised per token at run time, int32 sums).
+weights per channel, activations quantised per token at run time, exact integer sums).
 
 row_tile: run the product on tiles of exactly that many rows (the last zero-padded), so the GEMM
 library sees one shape whatever the batch: batch-invariant (deterministic inference), as
@@ -160,27 +160,40 @@ class Q4LinearMethod(QuantizedLinearMethod):
 
 class W8A8LinearMethod(Int8LinearMethod):
     """int8 weights per output channel and int8 activations per token (dynamic, symmetric:
-    max|x_row| / 127), multiplied as integers with int32 sums (``torch._int_mm``: exact, hence
-    batch-invariant), then scaled by x's and w's scales in float32 (SmoothQuant's W8A8 without the
-    smoothing, arXiv 2211.10438)."""
+    max|x_row| / 127), multiplied as integers with exact sums, then scaled by x's and w's scales in
+    float32 (SmoothQuant's W8A8 without the smoothing, arXiv 2211.10438). Small batches in
+    ``cpu_kernels.w8a8_linear`` (int16 multiply-adds into int32); larger ones as float32 products of
+    the integer codes over chunks of ``EXACT_K`` input features, where every partial sum is an integer
+    below 2^24 and so exact in any order, the chunks added as int32. Both give the same bits, for any
+    batch (batch-invariant without row tiles)."""
 
     name = "w8a8"
+    #: input features per float32 product: 1024 * 127 * 127 < 2^24
+    EXACT_K = 1024
 
-    def __init__(self):
-        super().__init__(None)  # exact integer sums: invariant without tiles
+    def __init__(self, kernels=None):
+        super().__init__(None, kernels)
 
-    def process_after_load(self, layer) -> int:
-        q, s = quantize_rows(layer.weight.detach(), torch.int8)
-        layer.quant = {"q_t": q.t().contiguous(), "scale": s}  # [K, N]: _int_mm's right operand
-        return _nbytes(*layer.quant.values())
+    def kernel_apply(self, layer, x):
+        return self.kernels.w8a8_linear(x, layer.quant["q"], layer.quant["scale"], layer.bias)
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
         xq, sx = quantize_rows(x, torch.int8)
-        acc = torch._int_mm(xq, layer.quant["q_t"])  # int32 [M, N]
-        y = acc.float() * sx[:, None] * layer.quant["scale"]
-        if layer.bias is not None:
-            y += layer.bias.float()
-        return y.to(x.dtype)
+        xf = xq.float()
+        q, scale = layer.quant["q"], layer.quant["scale"]
+        n, k = q.shape
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for n0 in range(0, n, COL_TILE):
+            n1 = min(n, n0 + COL_TILE)
+            wf = q[n0:n1].float()
+            acc = torch.zeros(x.shape[0], n1 - n0, dtype=torch.int32)
+            for k0 in range(0, k, self.EXACT_K):
+                acc += (xf[:, k0:k0 + self.EXACT_K] @ wf[:, k0:k0 + self.EXACT_K].t()).to(torch.int32)
+            y = acc.float() * sx[:, None] * scale[n0:n1]
+            if layer.bias is not None:
+                y += layer.bias[n0:n1].float()
+            out[:, n0:n1] = y.to(x.dtype)
+        return out
 
 
 def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
@@ -193,7 +206,7 @@ def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
     if activation_dtype == "int8":
         if weight_dtype != "int8":
             raise ValueError(f"int8 activations need int8 weights, got weight dtype {weight_dtype!r}")
-        return W8A8LinearMethod()
+        return W8A8LinearMethod(kernels)
     methods = {"int8": Int8LinearMethod, "fp8": Fp8LinearMethod, "int4": Q4LinearMethod}
     if weight_dtype not in methods:
         raise ValueError(f"no quantised linear method for weight dtype {weight_dtype!r} "
