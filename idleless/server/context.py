@@ -13,6 +13,7 @@ from fastapi import Request
 from idleless.engine.request import RequestError, SamplingParams
 from idleless.server.engine_client import EngineClient, EngineDeadError, Overloaded, Submission
 from idleless.server.protocol import PARAM_NAMES, APIError
+from idleless.server.tool_calls import make_parser
 from idleless.telemetry.metrics import ServerMetrics
 from idleless.text.tokenizer import check_unicode
 
@@ -45,7 +46,8 @@ def engine_unavailable(e: EngineDeadError) -> APIError:
 
 class ServerContext:
     """The routes' shared state and input helpers. ``max_chars``: no text longer than this can fit
-    (``limit_tokens`` times the longest vocabulary piece), so it is refused before tokenization."""
+    (``limit_tokens`` times the longest vocabulary piece), so it is refused before tokenization.
+    ``tool_parser``: the ``--tool-call-parser``'s parser (None when unset)."""
 
     def __init__(self, client: EngineClient, settings: ServerSettings, metrics: ServerMetrics):
         self.client = client
@@ -57,6 +59,8 @@ class ServerContext:
         except Exception:  # noqa: BLE001 - tokenizers without get_vocab
             max_piece = 256
         self.max_chars = client.limit_tokens * max_piece
+        name = getattr(client.config, "tool_call_parser", None)
+        self.tool_parser = make_parser(name) if name else None  # ValueError for an unknown name
 
     async def read_json(self, request: Request) -> Any:
         """The decoded JSON body; APIError(400, code ``invalid_json``) when it does not parse."""

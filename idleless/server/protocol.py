@@ -32,6 +32,7 @@ range checks on values (NaN, negative, out of range, ``logit_bias`` ids outside 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -432,8 +433,12 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn's calls (content then usually null)
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
     def to_template(self) -> dict:
+        """The message for the chat template; a tool call's JSON ``arguments`` text becomes an object
+        (templates render it with ``tojson``, as vLLM passes it)."""
         role = "system" if self.role == "developer" else self.role
         if self.content is None:
             content = ""
@@ -441,10 +446,50 @@ class ChatMessage(_Lenient):
             content = self.content
         else:
             content = "\n".join(p.text for p in self.content)
-        m = {"role": role, "content": content}
+        m: dict[str, Any] = {"role": role, "content": content}
         if self.name:
             m["name"] = self.name
+        if self.tool_calls:
+            m["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
         return m
+
+
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCallIn(_Lenient):
+    """A call in an assistant message of the history (OpenAI's shape)."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def to_template(self) -> dict:
+        args = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # the template gets the text as it came
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Lenient):
+    """One entry of ``tools``: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 # apply_chat_template's own arguments: set by their own request fields, never through chat_template_kwargs
@@ -500,15 +545,46 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     prompt_logprobs: Optional[StrictInt] = None
-    IGNORED: ClassVar[frozenset] = _IGNORED | {"parallel_tool_calls", "prediction"}  # no effect without tools
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
+    IGNORED: ClassVar[frozenset] = _IGNORED | {"prediction"}
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_EXTRAS, "tools": OFF, "tool_choice": (None, "none", "auto"), "functions": OFF,
+        **_EXTRAS, "functions": OFF,
         "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "audio": (None,),
         "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,), "chat_template": (None,),
         "echo": OFF_BOOL, "add_special_tokens": OFF_BOOL}
 
     def _max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_mode(self) -> tuple[str, Optional[dict]]:
+        """How the reply may call tools: (``none`` | ``auto`` | ``required`` | ``named``, the named
+        tool's dict or None). No tools (or an empty list) is ``none``; ``tool_choice`` defaults to
+        ``auto`` with tools, as OpenAI's. APIError(400) for a choice naming no listed tool, ``required``
+        without tools, or a tool whose parameters are not a valid JSON schema."""
+        from idleless.server import constraints as c
+
+        tools = self.tools or []
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        for i, t in enumerate(tools):
+            if t.function.parameters is not None:
+                c.make("json_schema", t.function.parameters, f"tools[{i}].function.parameters")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                               '"function": {"name": ...}}', param="tool_choice", code="invalid_value")
+            named = [t for t in tools if t.function.name == name]
+            if not named:
+                raise APIError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice",
+                               code="invalid_value")
+            return "named", named[0].model_dump(exclude_none=True)
+        if not tools:  # "auto" without tools asks for nothing
+            if choice == "required":
+                raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice", code="invalid_value")
+            return "none", None
+        return choice, None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -747,9 +823,44 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatLogprobToken]] = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class FunctionCallDelta(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="plain")
+    def _ser(self) -> dict:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a tool call: ``index`` always; ``id``, ``type`` and the function's name in
+    the call's first piece only; then pieces of ``function.arguments`` that concatenate to its JSON."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -776,10 +887,14 @@ class DeltaMessage(BaseModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
     @model_serializer(mode="plain")
     def _ser(self) -> dict:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatStreamChoice(BaseModel):

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from idleless.server.asgi import sse
+from idleless.server.chat_tools import ToolPlan, ToolStream
 from idleless.server.context import ServerContext
 from idleless.server.engine_client import Submission
 from idleless.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
@@ -28,14 +29,16 @@ def _json(model) -> Response:
 
 class ChatStream:
     """Chat completion chunks: an assistant role delta per choice first, then content deltas with
-    their logprobs; usage per chunk (``continuous_usage_stats``) and/or at the end (``include_usage``)."""
+    their logprobs (and tool-call deltas under ``tools``: ``chat_tools.ToolStream``); usage per chunk
+    (``continuous_usage_stats``) and/or at the end (``include_usage``)."""
 
     def __init__(self, tok: Tokenizer, sub: Submission, n: int, rid: str, model: str, fingerprint: str,
-                 include_usage: bool, continuous_usage: bool):
+                 include_usage: bool, continuous_usage: bool, tools: Optional[ToolPlan] = None):
         self.tok, self.sub, self.n = tok, sub, n
         self.rid, self.model, self.fingerprint = rid, model, fingerprint
         self.created = int(time.time())
         self.include_usage, self.continuous = include_usage, continuous_usage
+        self.tools = {st.index: ToolStream(tools or ToolPlan()) for st in sub.states}
 
     def _chunk(self, choices, usage=None) -> str:
         return sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
@@ -47,10 +50,13 @@ class ChatStream:
 
     def delta(self, d: CompletionDelta) -> Optional[str]:
         lps = chat_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs)
-        if not d.text and d.finish_reason is None and lps is None:
+        ts = self.tools[d.index]
+        text, calls = ts.feed(d.text, d.finish_reason is not None)
+        if not text and not calls and d.finish_reason is None and lps is None:
             return None
-        c = ChatStreamChoice(index=d.index, delta=DeltaMessage(content=d.text or None) if d.text else DeltaMessage(),
-                             logprobs=lps, finish_reason=d.finish_reason, matched_stop=d.matched_stop)
+        c = ChatStreamChoice(index=d.index, delta=DeltaMessage(content=text or None, tool_calls=calls or None),
+                             logprobs=lps, finish_reason=ts.finish_reason(d.finish_reason),
+                             matched_stop=d.matched_stop)
         return self._chunk([c], usage_of(self.sub, self.n) if self.include_usage and self.continuous else None)
 
     def closing(self) -> Iterable[str]:
@@ -121,21 +127,26 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_request(ChatCompletionRequest, await ctx.read_json(request))
         model = ctx.check_model(req.model)
         params = req.sampling_params()
-        ids = await ctx.render_chat([m.to_template() for m in req.messages], **req.template_kwargs())
+        kwargs = req.template_kwargs()
+        tools, params = ToolPlan.of(req, params, ctx.tool_parser, tok.chat_template, kwargs)
+        ids = await ctx.render_chat([m.to_template() for m in req.messages], **kwargs)
         sub = ctx.submit([ids], params, req.priority or 0)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint
 
         def full(outs):
-            choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text),
-                                  logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs),
-                                  finish_reason=o.finish_reason, matched_stop=o.matched_stop) for o in outs]
+            choices = []
+            for o in outs:
+                content, calls, reason = tools.reply(o.text, o.finish_reason)
+                choices.append(ChatChoice(index=o.index, message=ChatMessageOut(content=content, tool_calls=calls),
+                                          logprobs=chat_logprobs(tok, o.token_ids, o.logprobs, o.top_logprobs),
+                                          finish_reason=reason, matched_stop=o.matched_stop))
             return _json(ChatCompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
                                                 usage=usage_of(sub, params.n),
                                                 prompt_logprobs=vllm_prompt_logprobs(tok, outs[0].prompt_logprobs)))
 
         return await answer(request, sub, bool(req.stream), full, lambda: ChatStream(
-            tok, sub, params.n, rid, model, fp, req.include_usage, req.continuous_usage))
+            tok, sub, params.n, rid, model, fp, req.include_usage, req.continuous_usage, tools))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
