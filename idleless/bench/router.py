@@ -209,16 +209,20 @@ def router_cost_curve(worker_counts: list[int], prompt_len: int = 512, per_worke
     return {"prompt_len": prompt_len, "per_worker_tokens": per_worker_tokens, "select": rows, "index": index_rows}
 
 
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
 def format_tables(result: dict) -> str:
     lines = [f"CPU: {result['cpu']}; {result['dp']} replicas x {result['threads_per_replica']} thread(s), "
              f"KV pool {result['kv_cache_memory']} each; model {result['model']}", "",
              "| workload | policy | engine hit rate | router-seen hit | oracle hit | output tok/s | TTFT p50 ms | "
              "TTFT p99 ms | requests per replica | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        hit = "n/a" if r["engine_hit_rate"] is None else f"{r['engine_hit_rate']:.1%}"
-        lines.append(f"| {r['workload']} | {r['policy']} | {hit} | {r['router_hit_rate']:.1%} | "
-                     f"{r['oracle_hit_rate']:.1%} | {r['output_throughput']:.2f} | {r['ttft_p50_ms']:.0f} | "
-                     f"{r['ttft_p99_ms']:.0f} | {r['requests_per_worker']} | {r['failed']} |")
+        lines.append(f"| {r['workload']} | {r['policy']} | {_fmt(r['engine_hit_rate'], '.1%')} | "
+                     f"{_fmt(r['router_hit_rate'], '.1%')} | {_fmt(r['oracle_hit_rate'], '.1%')} | "
+                     f"{_fmt(r['output_throughput'], '.2f')} | {_fmt(r['ttft_p50_ms'], '.0f')} | "
+                     f"{_fmt(r['ttft_p99_ms'], '.0f')} | {r['requests_per_worker']} | {r['failed']} |")
     curve = result.get("router_cost")
     if curve:
         lines += ["", f"Router cost per decision ({curve['prompt_len']}-token prompt, "
@@ -230,13 +234,19 @@ def format_tables(result: dict) -> str:
     return "\n".join(lines)
 
 
-async def _run_all(args, urls) -> list[dict]:
-    runs = []
+def _save(args, result: dict) -> None:
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+async def _run_all(args, urls, result: dict) -> None:
+    """Every (workload, policy) run into ``result["runs"]``, saved after each."""
     for wl in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         for pol in [p.strip() for p in args.policies.split(",") if p.strip()]:
             _log(f"{wl} with {pol}")
-            runs.append(await run_policy(args, urls, pol, wl))
-    return runs
+            result["runs"].append(await run_policy(args, urls, pol, wl))
+            _save(args, result)
 
 
 async def _warm(urls: list[str]) -> None:
@@ -271,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         wait_ready(procs, urls, 900)
         asyncio.run(_warm(urls))
-        result["runs"] = asyncio.run(_run_all(args, urls))
+        asyncio.run(_run_all(args, urls, result))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -281,10 +291,8 @@ def main(args: argparse.Namespace) -> int:
     if counts:
         _log("router cost curve")
         result["router_cost"] = router_cost_curve(counts)
+    _save(args, result)
     print(format_tables(result))
-    if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump(result, f, indent=1)
     return 0
 
 
