@@ -8,8 +8,9 @@ Each step:
   1. rollouts: ``--prompts`` arithmetic questions ("What is 7 + 5?"), ``--group-size`` samples each
      (one /generate request with n = group size, so the samples share the prompt's KV through the radix
      cache), temperature 1, with the engine's logprob of every sampled token;
-  2. reward (verifiable): 1 when the first integer of the answer is the sum, else 0; advantages are the
-     rewards normalised within each group (GRPO's outcome supervision);
+  2. reward (verifiable): 1 when the first integer of the answer is the sum, plus 0.5 when the answer
+     starts with a number (the asked format); advantages are the rewards normalised within each group
+     (GRPO's outcome supervision);
   3. one policy-gradient step on the clipped objective with a k3 KL penalty to the initial policy
      (transformers' model in training mode, AdamW);
   4. the new weights are pushed into the server by a torch.distributed broadcast (gloo) from this
@@ -30,8 +31,6 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +48,11 @@ def make_question(rng: random.Random, max_operand: int = 9) -> tuple[str, int]:
 
 
 def reward(text: str, answer: int) -> float:
-    """1.0 when the first integer in ``text`` is ``answer``, else 0.0 (no integer: 0.0)."""
+    """Verifiable reward: 1.0 when the first integer in ``text`` is ``answer``, plus 0.5 for the asked
+    format (the answer starts with a number); so 1.5, 1.0, 0.5 or 0.0."""
     m = re.search(r"-?\d+", text)
-    return 1.0 if m is not None and int(m.group()) == answer else 0.0
+    correct = 1.0 if m is not None and int(m.group()) == answer else 0.0
+    return correct + (0.5 if re.match(r"\s*-?\d", text) else 0.0)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -80,35 +81,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------------
-# the engine: an Idleless server in a subprocess
+# rollouts from the engine (an Idleless server in a subprocess)
 # --------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """``python -m idleless.server`` on a free port with deterministic inference; returns (process, url)
-    once /health answers (RuntimeError if it exits first)."""
-    import httpx
-    port = free_port()
-    cmd = [sys.executable, "-m", "idleless.server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enable-deterministic-inference", "--num-threads", str(threads),
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-
-
 def rollout(http, url: str, prompt_ids: list[int], group: int, max_new: int, seed: int) -> list[dict]:
     """``group`` samples of one prompt: each {"ids": completion ids, "logprobs": engine logprobs, "text"}."""
     r = http.post(url + "/generate", json={"input_ids": prompt_ids, "return_logprob": True, "sampling_params": {
@@ -163,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="questions per step")
     ap.add_argument("--group-size", type=int, default=8, help="samples per question (GRPO's G)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=8)
@@ -182,7 +156,7 @@ def main(argv=None) -> int:
     from idleless.model.loader import prepare_model_dir
     from idleless.model.runner import ModelRunner
     from idleless.rl.scoring import SequenceScorer, max_abs_diff
-    from idleless.rl.trainer import WeightPusher
+    from idleless.rl.trainer import WeightPusher, free_port, start_server
     from idleless.text.tokenizer import Tokenizer
 
     torch.manual_seed(args.seed)
@@ -190,7 +164,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     model_dir = prepare_model_dir(args.model)
     tok = Tokenizer.load(model_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy.config.use_cache = False
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
@@ -199,7 +173,8 @@ def main(argv=None) -> int:
     reference = SequenceScorer(ModelRunner(scorer_cfg))  # the initial policy, for the KL term (no grad)
     aligned = None if args.no_alignment_check else SequenceScorer(ModelRunner(scorer_cfg))
 
-    proc, url = start_server(model_dir, args.engine_threads, args.server_arg)
+    proc, url = start_server(model_dir, ["--dtype", "float32", "--enable-deterministic-inference", "--num-threads",
+                                         str(args.engine_threads), "--log-level", "warning", *args.server_arg])
     http = httpx.Client(timeout=600)
     pusher = WeightPusher(url, timeout_s=600)
     log_path = args.out + ".jsonl"
@@ -223,10 +198,11 @@ def main(argv=None) -> int:
 
             t0 = time.perf_counter()
             mismatch_engine = 0.0
+            pairs = [(p, s["ids"]) for p, s in seqs]
             if aligned is not None:  # the pushed weights (this step's rollouts') in the engine's own kernels
-                mismatch_engine = max(max_abs_diff(aligned.logprobs(p, s["ids"]).tolist(), s["logprobs"])
-                                      for p, s in seqs)
-            ref_lp = [reference.logprobs(p, s["ids"]).tolist() for p, s in seqs]
+                mismatch_engine = max(max_abs_diff(lp.tolist(), s["logprobs"])
+                                      for lp, (_, s) in zip(aligned.score(pairs), seqs))
+            ref_lp = [lp.tolist() for lp in reference.score(pairs)]
             score_s = time.perf_counter() - t0
 
             t0 = time.perf_counter()

@@ -27,10 +27,10 @@ def load_example():
 grpo = load_example()
 
 
-def test_reward_reads_the_first_integer():
-    assert grpo.reward("12", 12) == 1.0
+def test_reward_reads_the_first_integer_and_the_format():
+    assert grpo.reward("12", 12) == 1.5
     assert grpo.reward("The answer is 12.", 12) == 1.0
-    assert grpo.reward("7 + 5 = 12", 12) == 0.0  # the first integer is what counts
+    assert grpo.reward("7 + 5 = 12", 12) == 0.5  # the first integer is what counts; the format is right
     assert grpo.reward("twelve", 12) == 0.0
 
 

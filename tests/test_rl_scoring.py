@@ -47,6 +47,10 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(tmp_path, smollm2_dir, dtyp
             assert torch.equal(mine, torch.tensor(o.logprobs, dtype=torch.float32))
             assert max_abs_diff(mine.tolist(), o.logprobs) == 0.0
             assert max_abs_diff(old.logprobs(prompt, o.token_ids).tolist(), o.logprobs) > 1e-3
+    # all rollouts re-scored in one forward: the same bits
+    pairs = [(prompt, o.token_ids) for prompt, pair in zip(PROMPTS, outs) for o in pair]
+    for lp, o in zip(scorer.score(pairs), [o for pair in outs for o in pair]):
+        assert torch.equal(lp, torch.tensor(o.logprobs, dtype=torch.float32))
 
 
 def test_scorer_checks_its_input(tmp_path):
@@ -58,5 +62,6 @@ def test_scorer_checks_its_input(tmp_path):
     with pytest.raises(ValueError):
         scorer.logprobs([1], [256])
     assert scorer.logprobs([1, 2], []).shape == (0,)
+    assert [t.shape for t in scorer.score([([1, 2], []), ([3], [4, 5])])] == [(0,), (2,)]
     with pytest.raises(ValueError):
         max_abs_diff([0.0], [])

@@ -28,35 +28,51 @@ class SequenceScorer:
     def __init__(self, runner):
         self.runner = runner
 
-    @torch.inference_mode()
     def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> torch.Tensor:
         """Raw log-softmax log-probabilities (before penalties, temperature and truncation: what the
         engine returns) of ``completion_ids`` given ``prompt_ids`` and the completion tokens before
         each: float32 [len(completion_ids)]. Raises ValueError for an empty prompt or ids outside the
         vocabulary."""
+        return self.score([(prompt_ids, completion_ids)])[0]
+
+    @torch.inference_mode()
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+        """``logprobs`` of many (prompt ids, completion ids) pairs in one forward (each sequence its own
+        extend from an empty cache; with deterministic inference the bits do not depend on the batch):
+        one float32 tensor [len(completion)] per pair. Raises ValueError as ``logprobs``."""
         r = self.runner
         mc = r.model_config
-        if not prompt_ids:
-            raise ValueError("the prompt must have at least one token")
-        ids = list(prompt_ids) + list(completion_ids)[:-1]
-        if any(not 0 <= t < mc.vocab_size for t in list(prompt_ids) + list(completion_ids)):
-            raise ValueError(f"token ids must be in [0, {mc.vocab_size})")
-        if not completion_ids:
-            return torch.empty(0, dtype=torch.float32)
-        n = len(ids)
         page = r.pool.page_size
-        pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, -(-n // page) * page, r.dtype,
-                      r.config.device, page)
+        ids, ext, tables, rows, targets = [], [], [], [], []
+        slot = row = 0
+        for prompt, completion in pairs:
+            if not prompt:
+                raise ValueError("the prompt must have at least one token")
+            if any(not 0 <= t < mc.vocab_size for t in list(prompt) + list(completion)):
+                raise ValueError(f"token ids must be in [0, {mc.vocab_size})")
+            seq = list(prompt) + list(completion)[:-1] if completion else list(prompt)
+            n = len(seq)
+            ids.extend(seq)
+            ext.append(n)
+            tables.append(torch.arange(slot, slot + n, dtype=torch.int64))
+            if completion:
+                rows.extend(range(row + len(prompt) - 1, row + n))
+                targets.extend(completion)
+            slot += -(-n // page) * page  # each sequence starts on a page of its own
+            row += n
+        if not targets:
+            return [torch.empty(0, dtype=torch.float32) for _ in pairs]
+        pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, slot, r.dtype, r.config.device, page)
         backend = CompositeAttention(pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                      getattr(mc, "sliding_window", None), r.kernels,
                                      deterministic=r.config.enable_deterministic_inference)
-        slots = torch.arange(n, dtype=torch.int64)
-        meta = backend.prepare([n], [0], [slots])
-        rows = torch.arange(len(prompt_ids) - 1, n, dtype=torch.int64)
-        h = r.model.hidden_states(torch.tensor(ids, dtype=torch.int64), slots.clone(), backend, meta, slots, rows)
-        values, _, _ = token_logprobs(r.model.compute_logits(h), torch.tensor(list(completion_ids)),
-                                      [0] * len(completion_ids))
-        return torch.tensor(values, dtype=torch.float32)
+        meta = backend.prepare(ext, [0] * len(ext), tables)
+        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in ext])
+        h = r.model.hidden_states(torch.tensor(ids, dtype=torch.int64), positions, backend, meta, torch.cat(tables),
+                                  torch.tensor(rows, dtype=torch.int64))
+        values, _, _ = token_logprobs(r.model.compute_logits(h), torch.tensor(targets), [0] * len(targets))
+        flat = torch.tensor(values, dtype=torch.float32)
+        return list(flat.split([len(c) for _, c in pairs]))
 
 
 def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:

@@ -13,13 +13,46 @@ keep serving then).
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
+import time
 from typing import Iterable, Optional
 
 import torch
 
 from idleless.rl.distributed import GroupSpec, WeightsUpdateGroup
 from idleless.rl.shm import SharedTensors, dtype_name
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the server or the group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, args: Iterable[str] = (), timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """``python -m idleless.server --model model_dir <args>`` on a free local port; returns (process, url)
+    once /health answers. RuntimeError if it exits or is not ready within ``timeout_s`` (then killed)."""
+    import httpx
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "idleless.server", "--model", model_dir, "--host", "127.0.0.1",
+                             "--port", str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
 
 
 class WeightPushError(RuntimeError):
