@@ -7,10 +7,10 @@ from torch import nn
 
 from idleless.config import EngineConfig
 from idleless.model.linear import Linear, select_linear_method
-from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_rows, quantize_q4_0,
-                                    quantize_q4_1, quantize_rows, unpack_q4)
-from idleless.quant.methods import (Fp8LinearMethod, Int8LinearMethod, Q4LinearMethod, W8A8LinearMethod,
-                                    quantized_linear_method)
+from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, dequantize_rows,
+                                    quantize_q4_0, quantize_q4_1, quantize_q8_0, quantize_rows, unpack_q4)
+from idleless.quant.methods import (Fp8LinearMethod, Int8LinearMethod, Q4LinearMethod, Q8_0LinearMethod,
+                                    W8A8LinearMethod, quantized_linear_method)
 from idleless.quant.spec import check_precision
 
 
@@ -55,6 +55,16 @@ def test_q4_1_by_hand():
     assert (back - w.double()).abs().max() <= d.double().max() / 2 + 1e-6
 
 
+def test_q8_0_by_hand():
+    w = torch.zeros(1, 32)
+    w[0, :4] = torch.tensor([2.54, -1.27, 0.01, 0.005])
+    q, d = quantize_q8_0(w)
+    assert d.dtype == torch.float16 and torch.equal(d, torch.tensor([[2.54 / 127]]).half())
+    step = d.float()[0, 0]
+    assert q[0, 0, :4].tolist() == [round(2.54 / float(step)), round(-1.27 / float(step)), 0, 0]
+    assert bool(((dequantize_q8_0(q, d, torch.float64) - w.double()).abs() <= float(step) / 2 + 1e-7).all())
+
+
 def test_q4_bounds_random():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(16, 128, generator=g)
@@ -86,7 +96,9 @@ def _reference(method, w, x, bias):
         wq = qt["q"].double() * qt["scale"].double()[:, None]
         ref = (xq.double() * sx.double()[:, None]) @ wq.t()
     else:
-        if isinstance(method, Q4LinearMethod):
+        if isinstance(method, Q8_0LinearMethod):
+            wd = dequantize_q8_0(qt["q"], qt["d"], torch.float64)
+        elif isinstance(method, Q4LinearMethod):
             wd = dequantize_q4_1(qt["qs"], qt["d"], qt["m"], torch.float64) if method.layout == "q4_1" else \
                 dequantize_q4_0(qt["qs"], qt["d"], torch.float64)
         else:
@@ -97,7 +109,7 @@ def _reference(method, w, x, bias):
     return layer, ref
 
 
-METHODS = [lambda: Int8LinearMethod(), lambda: Fp8LinearMethod(), lambda: Q4LinearMethod(),
+METHODS = [lambda: Int8LinearMethod(), lambda: Q8_0LinearMethod(), lambda: Fp8LinearMethod(), lambda: Q4LinearMethod(),
            lambda: Q4LinearMethod(layout="q4_0"), lambda: W8A8LinearMethod(), lambda: Int8LinearMethod(16),
            lambda: Q4LinearMethod(16)]
 
@@ -157,7 +169,7 @@ def test_q4_refuses_unaligned_features():
 def test_selection_and_head_method():
     assert isinstance(select_linear_method(torch.float32, "cpu", False, None, weight_dtype="int8"), Int8LinearMethod)
     m = select_linear_method(torch.float32, "cpu", False, None, weight_dtype="int4")
-    assert isinstance(m, Q4LinearMethod) and isinstance(m.head_method, Int8LinearMethod)
+    assert isinstance(m, Q4LinearMethod) and isinstance(m.head_method, Q8_0LinearMethod)
     assert isinstance(select_linear_method(torch.float32, "cpu", False, None, weight_dtype="int8",
                                            activation_dtype="int8"), W8A8LinearMethod)
     assert quantized_linear_method("int8", deterministic=True).row_tile == 16
@@ -211,7 +223,7 @@ KERNELS = _kernel_builds()
 @pytest.mark.skipif(not KERNELS, reason="no C compiler: the kernels are not built")
 @pytest.mark.parametrize("build", range(len(KERNELS) or 1), ids=lambda i: f"{KERNELS[i][0]}-{KERNELS[i][1]}"
                          if KERNELS else "none")
-@pytest.mark.parametrize("layout", ["int8", "q4_1", "w8a8"])
+@pytest.mark.parametrize("layout", ["int8", "q4_1", "q8_0", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
 def test_kernel_path_vs_float64(build, layout, rows):
     """The C kernels (batches up to KERNEL_MAX_ROWS) and the torch path above, in float32 and bfloat16,
@@ -224,7 +236,8 @@ def test_kernel_path_vs_float64(build, layout, rows):
     w = torch.randn(300, 160, generator=g) / 10
     bias = torch.randn(300, generator=g).to(dtype)
     x = torch.randn(rows, 200, generator=g)[:, :160].to(dtype)  # strided rows
-    method = {"int8": Int8LinearMethod, "q4_1": Q4LinearMethod, "w8a8": W8A8LinearMethod}[layout](kernels=kern)
+    method = {"int8": Int8LinearMethod, "q4_1": Q4LinearMethod, "q8_0": Q8_0LinearMethod,
+              "w8a8": W8A8LinearMethod}[layout](kernels=kern)
     layer, ref = _reference(method, w, x.float(), bias.float())
     with torch.no_grad():
         layer.bias = nn.Parameter(bias, requires_grad=False)

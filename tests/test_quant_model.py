@@ -16,7 +16,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from idleless.config import EngineConfig
 from idleless.model.runner import ForwardBatch
 from idleless.quant.build import build_runner
-from idleless.quant.methods import Int8LinearMethod, Q4LinearMethod, W8A8LinearMethod
+from idleless.quant.methods import Q4LinearMethod, Q8_0LinearMethod, W8A8LinearMethod
 
 # (weight, activation, kv): (mean KL bound, top-1 agreement bound)
 COMBOS = {
@@ -77,7 +77,7 @@ def test_methods_attached(tiny):
     path = tiny[0]
     r = build_runner(_config(path, "int4", kv="int8"))
     assert isinstance(r.model.layers[0].mlp.down_proj.method, Q4LinearMethod)
-    assert isinstance(r.model.lm_head.method, Int8LinearMethod)  # the output layer kept at 8 bits
+    assert isinstance(r.model.lm_head.method, Q8_0LinearMethod)  # the output layer kept at 8 bits
     assert r.pool.quantized and r.pool.k_cache.dtype == torch.int8
     r = build_runner(_config(path, "int8", "int8"))
     assert isinstance(r.model.layers[1].self_attn.qkv_proj.method, W8A8LinearMethod)

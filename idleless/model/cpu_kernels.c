@@ -1444,3 +1444,52 @@ int w8a8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_
 
 DEFINE_W8A8(f32, float)
 DEFINE_W8A8(bf16, uint16_t)
+
+/* ---- GGUF Q8_0 weights (weight-only): blocks of 32 int8 codes along k with a float16 step d --------
+ * out[r, c] = T(sum_b d[c, b] (x[r, 32b..32b+31] . code[c, b]) + bias[c]), one fixed-order float32 sum per
+ * output (8 lanes, a fixed lane tree; the scalar build in k order), any number of rows. */
+static inline float dot_q80(const float *x, const int8_t *q, const uint16_t *d, int64_t nb) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *qb = q + 32 * b;
+        const float *xb = x + 32 * b;
+        __m128i v0 = _mm_loadu_si128((const __m128i *)qb), v1 = _mm_loadu_si128((const __m128i *)(qb + 16));
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)));
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), t);
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), t);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(d[b])), t, acc);
+    }
+    return hsum8(acc);
+#else
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        float t = 0.f;
+        for (int j = 0; j < 32; j++) t += x[32 * b + j] * (float)q[32 * b + j];
+        s += f16_to_f32(d[b]) * t;
+    }
+    return s;
+#endif
+}
+
+#define DEFINE_Q80(SUF, T)                                                                                     \
+int q80_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const uint16_t *d,        \
+                     int64_t n, const T *bias, T *out, int64_t ldo) {                                          \
+    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    if (!xf) return 0;                                                                                         \
+    int64_t nb = k / 32, ntask = (n + Q_COLS - 1) / Q_COLS;                                                    \
+    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
+    for (int64_t t = 0; t < ntask; t++)                                                                        \
+        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
+            for (int64_t r = 0; r < m; r++) {                                                                  \
+                float v = dot_q80(xf + r * k, q + c * k, d + c * nb, nb);                                      \
+                if (bias) v += LD_##SUF(bias + c);                                                             \
+                ST_##SUF(out + r * ldo + c, v);                                                                \
+            }                                                                                                  \
+    free(xf);                                                                                                  \
+    return 1;                                                                                                  \
+}
+
+DEFINE_Q80(f32, float)
+DEFINE_Q80(bf16, uint16_t)

@@ -65,6 +65,7 @@ _SIGNATURES_INT = {
     "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
     "w8a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
+    "q80_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
 }
 # kernels without a float32 twin: name -> (argtypes, restype)
 _BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
@@ -529,4 +530,21 @@ class CpuKernels:
         if x.shape[0] and not self._w8a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
                                                 scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("w8a8_linear: cannot allocate its buffers")
+        return out
+
+    def q80_linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = x W^T (+ bias) for W in GGUF Q8_0 blocks (``idleless.quant.formats.quantize_q8_0``' layout:
+        q int8 [N, K/32, 32], d float16 [N, K/32], contiguous): x [M, K] in the kernels' dtype (rows may
+        be strided) -> new [M, N]; one fixed-order float32 sum per output for any M. Raises ValueError
+        on a layout mismatch, MemoryError when the row buffer cannot be allocated."""
+        n, nb, _ = q.shape
+        k = x.shape[1]
+        if (q.dtype != torch.int8 or q.shape[2] != 32 or nb * 32 != k or not q.is_contiguous()
+                or d.dtype != torch.float16 or d.shape != (n, nb) or not d.is_contiguous()):
+            raise ValueError("q80_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "q80_linear")
+        if x.shape[0] and not self._q80_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(), d.data_ptr(),
+                                               n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("q80_linear: cannot allocate the row buffer")
         return out

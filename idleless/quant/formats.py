@@ -7,6 +7,8 @@
   Q4_1 holds a float16 step ``d`` and minimum ``m`` per block and 4-bit codes ``c`` in 0..15, value
   ``m + d * c``; Q4_0 a float16 step ``d``, value ``d * (c - 8)``. Codes are packed two per byte as
   ggml does: byte j of a block holds element j in its low nibble and element j + 16 in its high one.
+* GGUF Q8_0 blocks of 32 (ggml's ``block_q8_0``): a float16 step ``d = max|w_block| / 127`` and int8
+  codes ``round(w / d)``, value ``d * code``.
 * KV rows: one scale per (token, KV head), ``s = max|x| / fmax`` (127 for int8, 448 for fp8 e4m3,
   57344 for fp8 e5m2), computed when the row is written: dynamic, never a default.
 
@@ -102,4 +104,20 @@ def dequantize_q4_0(qs: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torc
     """Q4_0 blocks -> w [N, K] in ``dtype``: d * (code - 8), in float32."""
     c = unpack_q4(qs).float() - 8
     w = d.float()[..., None] * c
+    return w.reshape(w.shape[0], -1).to(dtype)
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 (ggml ``quantize_row_q8_0_ref``): w [N, K] float, K % 32 == 0 -> (q int8 [N, K/32, 32],
+    d float16 [N, K/32]); d = max|w_block| / 127 rounded to float16, code = round(w / d) (from the
+    float16 d, clamped to +-127). Raises ValueError when K is not a multiple of 32."""
+    b = _blocks(w)
+    d = (b.abs().amax(-1) / 127).half()
+    q = (b / _safe(d.float())[..., None]).round().clamp_(-127, 127).to(torch.int8)
+    return q, d
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Q8_0 blocks -> w [N, K] in ``dtype``: d * code, in float32."""
+    w = d.float()[..., None] * q.float()
     return w.reshape(w.shape[0], -1).to(dtype)

@@ -9,7 +9,8 @@ The layer keeps its float parameter (``layer.weight``, the target of loading by 
 weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
 
 Formats (``formats``): ``Int8LinearMethod`` (per output channel, symmetric), ``Fp8LinearMethod`` (e4m3
-per output channel), ``Q4LinearMethod`` (GGUF Q4_1 or Q4_0 blocks of 32), ``W8A8LinearMethod`` (int8
+per output channel), ``Q4LinearMethod`` (GGUF Q4_1 or Q4_0 blocks of 32, its output layer in
+``Q8_0LinearMethod``: GGUF Q8_0 blocks), ``W8A8LinearMethod`` (int8
 weights per channel, activations quantised per token at run time, exact integer sums).
 
 row_tile: run the product on tiles of exactly that many rows (the last zero-padded), so the GEMM
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from idleless.model.linear import LinearMethod
-from idleless.quant.formats import dequantize_q4_0, dequantize_q4_1, quantize_q4_0, quantize_q4_1, quantize_rows
+from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize_q4_0, quantize_q4_1,
+                                    quantize_q8_0, quantize_rows)
 
 #: output channels dequantised at a time by ``apply``
 COL_TILE = 2048
@@ -124,9 +126,27 @@ class Fp8LinearMethod(Int8LinearMethod):
     qdtype = torch.float8_e4m3fn
 
 
+class Q8_0LinearMethod(QuantizedLinearMethod):
+    """8-bit weights in GGUF Q8_0 blocks of 32 input features (a float16 step per block; ``formats``):
+    the output layer of ``Q4LinearMethod``, as llama.cpp's files keep it (the bundled SmolLM2's tied
+    embedding is Q8_0). Raises ValueError at load for in_features not divisible by 32."""
+
+    name = "q8_0"
+
+    def quantize(self, weight):
+        q, d = quantize_q8_0(weight)
+        return {"q": q, "d": d}
+
+    def tile(self, layer, n0, n1, dtype):
+        return dequantize_q8_0(layer.quant["q"][n0:n1], layer.quant["d"][n0:n1], dtype), None
+
+    def kernel_apply(self, layer, x):
+        return self.kernels.q80_linear(x, layer.quant["q"], layer.quant["d"], layer.bias)
+
+
 class Q4LinearMethod(QuantizedLinearMethod):
     """4-bit weights in GGUF blocks of 32 input features (``formats``): Q4_1 (step and minimum per
-    block, the default) or Q4_0 (step only). The output layer runs in int8 (``head_method``).
+    block, the default) or Q4_0 (step only). The output layer runs in Q8_0 (``head_method``).
     Raises ValueError at load for in_features not divisible by 32."""
 
     name = "int4"
@@ -136,7 +156,7 @@ class Q4LinearMethod(QuantizedLinearMethod):
         if layout not in ("q4_0", "q4_1"):
             raise ValueError(f"Q4 layout must be q4_0 or q4_1, got {layout!r}")
         self.layout = layout
-        self.head_method = Int8LinearMethod(row_tile, kernels)
+        self.head_method = Q8_0LinearMethod(row_tile, kernels)
 
     def kernel_apply(self, layer, x):
         if self.layout != "q4_1":
