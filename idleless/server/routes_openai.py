@@ -1,4 +1,5 @@
-"""OpenAI routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}]."""
+"""OpenAI routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}] (and POST
+/v1/responses, registered from ``routes_responses``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable, Iterable, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from idleless.server import routes_responses
 from idleless.server.asgi import sse
 from idleless.server.chat_tools import ToolPlan, ToolStream
 from idleless.server.context import ServerContext
@@ -119,8 +121,9 @@ class CompletionStream:
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
-    """Add the OpenAI routes to ``app``."""
+    """Add the OpenAI routes to ``app``: these and the Responses API (``routes_responses``)."""
     settings, tok = ctx.settings, ctx.tok
+    routes_responses.register(app, ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
