@@ -10,7 +10,8 @@ Core -> frontend (one pickled list per loop turn):
   ``CoreReady`` or ``CoreFailed``.
 
 Weight updates (``UpdateWeightsFrom*``, the update group verbs, ``GetWeightVersion``) are handled
-through the same table, between steps (``idleless.rl``). A new verb (pause, continue, load report, ...) is a new ``ControlVerb`` subclass here
+through the same table, between steps (``idleless.rl``). A new verb (pause, continue, load report,
+...) is a new ``ControlVerb`` subclass here
 plus one entry in the loop's handler table; the frontend sends it with ``EngineClient.call(verb)``.
 """
 

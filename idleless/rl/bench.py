@@ -47,6 +47,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--engine-threads", type=int, default=1)
     p.add_argument("--paths", default="disk,tensor,distributed")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra `idleless serve` argument, e.g. --server-arg=--enable-deterministic-inference")
     p.add_argument("--output", default=None, help="write the result JSON here")
 
 
@@ -62,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     named = list(load_state_dict(model_dir, resolve_dtype(args.dtype)).items())
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     proc, url = start_server(model_dir, ["--dtype", args.dtype, "--num-threads", str(args.engine_threads),
-                                         "--log-level", "warning"])
+                                         "--log-level", "warning", *args.server_arg])
     http = httpx.Client(timeout=600)
     probe = {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     pusher = WeightPusher(url, timeout_s=600)
@@ -91,9 +93,10 @@ def main(args: argparse.Namespace) -> int:
         http.close()
         proc.terminate()
         proc.wait(60)
-    out = {"model": model_dir, "dtype": args.dtype, "tensors": len(named), "bytes": nbytes, "cpu": cpu_model(),
-           "torch": torch.__version__, "engine_threads": args.engine_threads, "trainer_threads": torch.get_num_threads(),
-           "repeats": args.repeats, "paths": results, "same_answer_after": before == after,
+    out = {"model": model_dir, "dtype": args.dtype, "server_args": args.server_arg, "tensors": len(named),
+           "bytes": nbytes, "cpu": cpu_model(), "torch": torch.__version__, "engine_threads": args.engine_threads,
+           "trainer_threads": torch.get_num_threads(), "repeats": args.repeats, "paths": results,
+           "same_answer_after": before == after,
            "date": time.strftime("%Y-%m-%d")}
     print(f"weights: {len(named)} tensors, {nbytes / 2**20:.0f} MiB ({args.dtype}); CPU: {out['cpu']}; "
           f"torch {torch.__version__}; engine threads {args.engine_threads}")
