@@ -11,8 +11,9 @@ and ``--decode-steps`` greedy batch-1 decode steps after it (tokens/s, the mean 
 bytes the linear layers read per forward (the quantised copies; the float master weights stay in RAM
 for weight updates) and the KV bytes per token with the tokens ``--kv-cache-memory`` buys.
 
-A combination is ``w[+a][,kv=K]`` spelled as one item of --combos: ``float`` (the reference),
-``int8``, ``fp8``, ``int4``, ``w8a8`` (int8 weights and activations), ``kv=int8`` / ``kv=fp8_e4m3`` /
+A combination is one item of --combos: ``float`` (the reference: weights in --dtype), ``auto`` (the
+checkpoint's own format: the bundled GGUF's Q4_1 / Q8_0 blocks), ``int8``, ``fp8``, ``int4``, ``w8a8``
+(int8 weights and activations), ``kv=int8`` / ``kv=fp8_e4m3`` /
 ``kv=fp8_e5m2`` / ``kv=bf16``, or weights with a KV format joined by ``+`` (``int8+kv=fp8_e4m3``).
 """
 
@@ -49,18 +50,18 @@ TEXT = (
     "answers stay as good as before. Measuring that is the point of this benchmark."
 )
 
-DEFAULT_COMBOS = "float,int8,fp8,int4,w8a8,kv=int8,kv=fp8_e4m3,kv=fp8_e5m2,int8+kv=fp8_e4m3,w8a8+kv=int8"
+DEFAULT_COMBOS = "float,auto,int8,fp8,int4,w8a8,kv=int8,kv=fp8_e4m3,kv=fp8_e5m2,int8+kv=fp8_e4m3,w8a8+kv=int8"
 
 
 def parse_combo(item: str) -> dict:
     """One --combos item -> EngineConfig precision fields. Raises ValueError for an unknown piece."""
-    out = {"weight_dtype": "auto", "activation_dtype": "bf16", "kv_cache_dtype": "auto"}
+    out = {"weight_dtype": "bf16", "activation_dtype": "bf16", "kv_cache_dtype": "auto"}
     for piece in item.split("+"):
         if piece.startswith("kv="):
             out["kv_cache_dtype"] = piece[3:]
         elif piece == "w8a8":
             out.update(weight_dtype="int8", activation_dtype="int8")
-        elif piece in ("int8", "int4", "fp8", "bf16"):
+        elif piece in ("auto", "int8", "int4", "fp8", "bf16"):
             out["weight_dtype"] = piece
         elif piece != "float":
             raise ValueError(f"unknown precision {piece!r} in {item!r}")
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
     results, ref = [], None
     for item in args.combos.split(","):
         prec = parse_combo(item)
-        cfg = EngineConfig(model=model_dir, dtype=args.dtype, num_threads=args.threads,
+        cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                            kv_cache_memory=args.kv_cache_memory, **prec)
         t0 = time.perf_counter()
         runner = build_runner(cfg)

@@ -354,6 +354,21 @@ def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+def native_weight_dtype(model: str | None) -> Optional[str]:
+    """What ``--weight-dtype auto`` ("as stored") means for ``model`` (``resolve_model_path``' argument):
+    ``"int4"`` for a GGUF file whose layer linears (attention q/k/v/output, MLP gate/up/down) are all
+    Q4_1 blocks, which ``idleless.quant.methods.Q4LinearMethod`` holds bit for bit (its output layer in
+    Q8_0 blocks, as the bundled SmolLM2 file stores its tied embedding); None (float weights in
+    ``--dtype``) for anything else. Raises what ``resolve_model_path`` raises."""
+    path = resolve_model_path(model)
+    if not os.path.isfile(path):
+        return None
+    linear = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {t.tensor_type.name for t in _open_gguf(path).tensors
+             if t.name.startswith("blk.") and t.name.split(".")[2] in linear and t.name.endswith(".weight")}
+    return "int4" if types == {"Q4_1"} else None
+
+
 def convert_gguf_to_hf_dir(gguf_path: str, out_dir: str, sha256: Optional[str] = None) -> dict:
     """Write an HF-style model directory for a GGUF file into ``out_dir`` (which must exist).
 

@@ -5,6 +5,8 @@ quantised: the float parameters are then the master copy only) and attaches the 
 named points (DESIGN section 7): the quantised linear method on every linear (the lm_head its
 ``head_method``), re-processed once; a KV pool of the chosen format sized from the same
 ``--kv-cache-memory`` (an 8-bit format holds about twice the tokens) with the attention backend over it.
+``--weight-dtype auto`` is the checkpoint's own format: the bundled SmolLM2 GGUF (Q4_1 linears, a Q8_0
+tied embedding) runs on its own blocks, which re-quantising the loaded float copy reproduces exactly.
 """
 
 from __future__ import annotations
@@ -16,21 +18,28 @@ from idleless.cache.kv_pool import KVPool
 from idleless.config import EngineConfig
 from idleless.model.attention import CompositeAttention
 from idleless.model.linear import Linear, process_linear_methods, select_linear_method
+from idleless.model.loader import native_weight_dtype
 
 log = logging.getLogger(__name__)
 
 
-def quantizes_weights(config: EngineConfig) -> bool:
-    """Whether the config asks for a quantised linear method (weights or activations)."""
-    return config.weight_dtype not in ("auto", "bf16") or config.activation_dtype != "bf16"
+def resolve_weight_dtype(config: EngineConfig) -> str:
+    """``--weight-dtype`` with ``auto`` resolved to how the checkpoint stores its weights
+    (``loader.native_weight_dtype``: ``int4`` for a Q4_1 GGUF file such as the bundled SmolLM2, else
+    float in ``--dtype``, spelled ``bf16``)."""
+    if config.weight_dtype != "auto":
+        return config.weight_dtype
+    return native_weight_dtype(config.model) or "bf16"
 
 
 def build_runner(config: EngineConfig):
-    """A ``ModelRunner`` for ``config`` with its precision flags applied. Raises what ModelRunner
-    raises, and ValueError for weights a method cannot quantise (e.g. Q4 with in_features % 32)."""
+    """A ``ModelRunner`` for ``config`` with its precision flags applied (``auto`` weights resolved by
+    ``resolve_weight_dtype``). Raises what ModelRunner raises, and ValueError for weights a method
+    cannot quantise (e.g. Q4 with in_features % 32)."""
     from idleless.model.runner import ModelRunner
 
-    quant_w = quantizes_weights(config)
+    config = dataclasses.replace(config, weight_dtype=resolve_weight_dtype(config))
+    quant_w = config.weight_dtype != "bf16" or config.activation_dtype != "bf16"
     runner = ModelRunner(dataclasses.replace(config, disable_weight_prepack=True) if quant_w else config)
     det = config.enable_deterministic_inference
     if quant_w:
