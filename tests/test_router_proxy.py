@@ -241,6 +241,7 @@ def test_exact_follows_a_workers_kv_events():
                 r = await c.post("/v1/chat/completions", json={"messages": msgs})
                 assert r.json()["worker"] == "b"
                 assert wb.predicted_hit_tokens == len(system) and router.oracle_hit_tokens == len(system)
+                assert wb.alive_at() > time.monotonic() - 5  # heartbeats: a slow /health will not fail it
                 pub.on_removed(system, 0)  # b evicted the prefix
                 pub.end_step({"num_running": 0, "num_waiting": 0, "queued_prefill_tokens": 0, "kv_usage": 0.0,
                               "timestamp": __import__("time").time()})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Optional
 
 from idleless.router.events import SNAPSHOT_REQUEST, KVEventStream
@@ -25,6 +26,7 @@ class KVEventSubscriber:
         self.topic = topic
         self.snapshot_timeout_s = snapshot_timeout_s
         self.stream = KVEventStream()
+        self.last_message = 0.0  # time.monotonic() of the last message (heartbeats included): the engine lives
         self._task: Optional[asyncio.Task] = None
 
     @property
@@ -80,6 +82,7 @@ class KVEventSubscriber:
                     need = self.stream.apply_snapshot(int(snap["seq"]), snap["paths"], snap.get("epoch"))
                     continue
                 _, body = await sub.recv_multipart()
+                self.last_message = time.monotonic()
                 need = self.stream.feed(json.loads(body))
         finally:
             sub.close(linger=0)
@@ -89,4 +92,5 @@ class KVEventSubscriber:
         import zmq
         while await sub.poll(0):
             _, body = await sub.recv_multipart(zmq.NOBLOCK)
+            self.last_message = time.monotonic()
             self.stream.feed(json.loads(body))

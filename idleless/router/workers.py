@@ -6,7 +6,9 @@ request that could not connect) mark a worker unhealthy, which sets its ``dead``
 in flight there end at once; one success marks it healthy again (a restarted worker rejoins). A
 check that times out while the worker is still sending bytes (``last_progress`` within the last
 ``health_timeout_s``) is not a failure: a worker busy with long steps answers /health late but is
-alive, and ending its streams would turn load into errors. When a
+alive, and ending its streams would turn load into errors; so is one whose engine's KV-event
+heartbeats still arrive (the engine core answers /health only between steps, and a long prefill
+step on a loaded machine outlasts the timeout). When a
 worker is healthy the pool reads its ``GET /get_server_info``: a ``kv_events_config`` there starts a
 ``KVEventSubscriber`` on its endpoints (the exact policy's index and load reports); without one, its
 load comes from ``GET /v1/loads``.
@@ -68,6 +70,11 @@ class Worker:
     @property
     def inflight(self) -> int:
         return len(self.requests)
+
+    def alive_at(self) -> float:
+        """time.monotonic() of the last sign of life: a byte of an answer or a KV-event message."""
+        sub = self.subscriber
+        return max(self.last_progress, sub.last_message if sub is not None else 0.0)
 
     def report(self) -> Optional[dict]:
         """The engine's last load report (KV-event stream, else /v1/loads) if fresh, else None."""
@@ -193,7 +200,7 @@ class WorkerPool:
             ok = r.status_code == 200
         except httpx.TimeoutException:
             ok = False
-            if w.last_progress > t0 - self.health_timeout_s:  # slow to answer, but streaming: busy, not dead
+            if w.alive_at() > t0 - self.health_timeout_s:  # slow to answer, but streaming or beating: busy
                 return False
         except httpx.HTTPError:
             ok = False
