@@ -3,7 +3,8 @@
 ``COL_TILE`` output channels at a time back into the model dtype (a tile's worth of temporary memory,
 never the whole weight) and multiplies; W8A8 sums integer products exactly. With the CPU kernels
 (``cpu_kernels.q8_linear`` / ``q41_linear`` / ``w8a8_linear``), int8, Q4_1 and W8A8 batches of up to
-``KERNEL_MAX_ROWS`` rows (decode, speculative verify) read the quantised weight directly instead.
+``KERNEL_MAX_ROWS`` rows (decode, speculative verify) read the quantised weight directly instead, and
+larger batches have their GGUF tiles dequantised in C (``q41_dequant`` / ``q80_dequant``).
 
 The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
 weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
@@ -138,7 +139,10 @@ class Q8_0LinearMethod(QuantizedLinearMethod):
         return {"q": q, "d": d}
 
     def tile(self, layer, n0, n1, dtype):
-        return dequantize_q8_0(layer.quant["q"][n0:n1], layer.quant["d"][n0:n1], dtype), None
+        q, d = layer.quant["q"][n0:n1], layer.quant["d"][n0:n1]
+        if self.kernels is not None:
+            return self.kernels.q80_dequant(q, d).to(dtype), None
+        return dequantize_q8_0(q, d, dtype), None
 
     def kernel_apply(self, layer, x):
         return self.kernels.q80_linear(x, layer.quant["q"], layer.quant["d"], layer.bias)
@@ -174,7 +178,10 @@ class Q4LinearMethod(QuantizedLinearMethod):
     def tile(self, layer, n0, n1, dtype):
         qt = layer.quant
         if self.layout == "q4_1":
-            return dequantize_q4_1(qt["qs"][n0:n1], qt["d"][n0:n1], qt["m"][n0:n1], dtype), None
+            parts = qt["qs"][n0:n1], qt["d"][n0:n1], qt["m"][n0:n1]
+            if self.kernels is not None:
+                return self.kernels.q41_dequant(*parts).to(dtype), None
+            return dequantize_q4_1(*parts, dtype), None
         return dequantize_q4_0(qt["qs"][n0:n1], qt["d"][n0:n1], dtype), None
 
 
