@@ -131,8 +131,8 @@ class ModelRunner:
                            self.dtype, config.device, config.page_size)
         self.backend = CompositeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
-        # structured outputs: per-request grammar matchers -> the sampler's token masks (the tokenizer is
-        # loaded on the first constrained request only)
+        # structured outputs: per-request grammar matchers -> the sampler's token masks (the grammar engine
+        # and the vocabulary load in a worker thread from here on)
         self.token_masks = TokenMasks(config.tokenizer or self.model_dir, mc.vocab_size)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,

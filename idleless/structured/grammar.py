@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -90,8 +91,8 @@ def check(spec: StructuredOutput) -> None:
 class GrammarCache:
     """Compiled grammars for one vocabulary, compiled in a worker thread and kept by constraint.
 
-    ``tokenizer_path``: an HF tokenizer directory (loaded on the first compile, so an engine that never
-    sees a constraint never loads it); ``vocab_size``: the model's logits width (the bitmask covers it;
+    ``tokenizer_path``: an HF tokenizer directory (loaded by ``warm`` or the first compile);
+    ``vocab_size``: the model's logits width (the bitmask covers it;
     ids the tokenizer lacks are never allowed). ``get(spec)`` returns a Future of the compiled grammar
     (its exception is the compile error)."""
 
@@ -104,7 +105,7 @@ class GrammarCache:
         self._entries: OrderedDict[StructuredOutput, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
-    def _compile(self, spec: StructuredOutput):
+    def _ready_compiler(self):
         import xgrammar as xgr
 
         with self._lock:
@@ -113,7 +114,26 @@ class GrammarCache:
                 hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler.compile_grammar(build_grammar(spec))
+        return self._compiler
+
+    def _compile(self, spec: StructuredOutput):
+        return self._ready_compiler().compile_grammar(build_grammar(spec))
+
+    def warm(self) -> None:
+        """Load the grammar engine and the vocabulary in the worker thread now (an engine calls this at
+        start-up, so the first constrained request does not stall the step loop for the load); a
+        directory without tokenizer files is skipped, and a failure is retried at the first compile."""
+        if not any(os.path.exists(os.path.join(self.tokenizer_path, f))
+                   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            return
+
+        def load():
+            try:
+                self._ready_compiler()
+            except Exception as e:  # noqa: BLE001 - retried (and reported) by the first compile
+                log.debug("grammar engine warm-up failed: %s", e)
+
+        self._pool.submit(load)
 
     def get(self, spec: StructuredOutput) -> Future:
         fut = self._entries.get(spec)
@@ -157,6 +177,7 @@ class TokenMasks:
     def __init__(self, tokenizer_path: str, vocab_size: int):
         self.vocab_size = vocab_size
         self.cache = GrammarCache(tokenizer_path, vocab_size)
+        self.cache.warm()
         self._states: dict[str, _Matcher] = {}
         self._step = 0
 
@@ -219,8 +240,6 @@ class TokenMasks:
         per sampling request in plan order, num_sampled rows), or None when no row is constrained.
         Waits for compiles ``begin`` started; a constraint that fails to compile allows only the
         end-of-sequence ids (the frontend's ``check`` refuses such constraints before they get here)."""
-        import xgrammar as xgr
-
         rows: list[tuple[int, object, int]] = []  # (first row, scheduled request, state)
         row = 0
         for r in plan.requests:
@@ -232,6 +251,8 @@ class TokenMasks:
             row += r.num_sampled
         if not rows:
             return None
+        import xgrammar as xgr
+
         eos = plan.eos_ids
         m = sum(r.num_sampled for _, r, _ in rows)
         bitmask = xgr.allocate_token_bitmask(m, self.vocab_size)
