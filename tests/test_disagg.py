@@ -225,3 +225,18 @@ def test_config_refuses_unknown_modes():
         EngineConfig(pd_fallback="retry")
     with pytest.raises(ValueError, match="disaggregation_timeout"):
         EngineConfig(disaggregation_timeout=0)
+
+
+def test_prefill_engine_answers_where_to_pull_and_fan_out_carries_the_params():
+    from idleless.disagg.http import prefill_reply
+    from idleless.text.output import fan_out
+    p = EngineConfig(disaggregation_mode="prefill", disaggregation_bootstrap_port=9123)
+    assert prefill_reply(p, {"do_remote_decode": True}) == {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                                                            "remote_port": 9123}
+    assert prefill_reply(p, None) is None and prefill_reply(p, {}) is None
+    assert prefill_reply(EngineConfig(), {"do_remote_decode": True}) is None  # not a prefill engine
+    wild = EngineConfig(disaggregation_mode="prefill", disaggregation_bootstrap_host="0.0.0.0")
+    assert prefill_reply(wild, {"do_remote_decode": True})["remote_host"] is None  # the router fills it in
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1}
+    reqs = [r for _, r in fan_out("b", [[5, 6], [7]], SamplingParams(n=2), None, 0, params)]
+    assert len(reqs) == 4 and all(r.kv_transfer_params == params for r in reqs)

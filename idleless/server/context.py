@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
+from idleless.disagg.http import prefill_reply
 from idleless.engine.request import RequestError, SamplingParams
 from idleless.server.engine_client import EngineClient, EngineDeadError, Overloaded, Submission
 from idleless.server.protocol import PARAM_NAMES, APIError
@@ -120,11 +121,16 @@ class ServerContext:
         except RequestError as e:
             raise APIError.from_request_error(e, PARAM_NAMES) from None
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> Submission:
+    def kv_transfer_reply(self, params: Optional[dict]) -> Optional[dict]:
+        """A prefill engine's ``kv_transfer_params`` answer (``idleless.disagg.http.prefill_reply``)."""
+        return prefill_reply(self.client.config, params)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0,
+               kv_transfer_params: Optional[dict] = None) -> Submission:
         """``EngineClient.submit`` (``priority``: higher is admitted first) with its refusals as APIErrors: 400 (RequestError), 503 (overloaded
         or draining, Retry-After 1; engine gone, Retry-After 5)."""
         try:
-            return self.client.submit(prompts, params, priority)
+            return self.client.submit(prompts, params, priority, kv_transfer_params)
         except RequestError as e:
             raise APIError.from_request_error(e, PARAM_NAMES) from None
         except Overloaded as e:

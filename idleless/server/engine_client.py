@@ -368,10 +368,12 @@ class EngineClient:
         so nothing doomed is sent. Returns the effective max_new_tokens; raises RequestError."""
         return check_request(prompt_ids, params, self.limits)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0) -> Submission:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0,
+               kv_transfer_params: Optional[dict] = None) -> Submission:
         """Queue ``params.n`` engine requests per prompt (``idleless.text.output.fan_out``, as the
         offline Engine does). ``priority``: higher is admitted first and retracted last (the engine's
-        ``Request.priority``; every scheduling policy orders by it first). All or nothing. Raises
+        ``Request.priority``; every scheduling policy orders by it first). ``kv_transfer_params``: the
+        engine's (prefill/decode disaggregation, ``idleless.disagg``). All or nothing. Raises
         RequestError (check_request, first),
         EngineDeadError, Overloaded (in-flight limit, or draining after SIGTERM)."""
         if self.dead or self.stopping:
@@ -390,7 +392,7 @@ class EngineClient:
             raise Overloaded(f"{self.num_inflight} requests in flight; the limit is {self.max_inflight} "
                              f"(--max-running-requests + --max-queued-requests)")
         now = time.monotonic()
-        choices = fan_out(uuid.uuid4().hex[:16], prompts, params, self.tokenizer, priority)
+        choices = fan_out(uuid.uuid4().hex[:16], prompts, params, self.tokenizer, priority, kv_transfer_params)
         sub = Submission(self, [st for st, _ in choices], now)
         for st, _ in choices:
             self._tracks[st.rid] = _Track(st, sub, now)

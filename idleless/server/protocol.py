@@ -250,6 +250,7 @@ class _SamplingRequest(_Checked):
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     priority: Optional[StrictInt] = 0  # vLLM's: higher is admitted first and retracted last
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM's: prefill/decode disaggregation (idleless.disagg)
     # output constraints (idleless.server.constraints): OpenAI's, vLLM's (new and older names), SGLang's
     response_format: Optional[Any] = None
     structured_outputs: Optional[Any] = None
@@ -804,6 +805,7 @@ class CompletionResponse(BaseModel):
     system_fingerprint: Optional[str] = None
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a prefill engine's: where to pull the KV
 
 
 class TopLogprob(BaseModel):
@@ -880,6 +882,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
     prompt_logprobs: Optional[VllmPromptLogprobs] = None  # vLLM's: one rendered prompt for all choices
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a prefill engine's: where to pull the KV
 
 
 class DeltaMessage(BaseModel):

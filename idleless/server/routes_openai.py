@@ -133,7 +133,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         kwargs = req.template_kwargs()
         tools, params = ToolPlan.of(req, params, ctx.tool_parser, tok.chat_template, kwargs)
         ids = await ctx.render_chat([m.to_template() for m in req.messages], **kwargs)
-        sub = ctx.submit([ids], params, req.priority or 0)
+        sub = ctx.submit([ids], params, req.priority or 0, req.kv_transfer_params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint
 
@@ -146,7 +146,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                                           finish_reason=reason, matched_stop=o.matched_stop))
             return _json(ChatCompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
                                                 usage=usage_of(sub, params.n),
-                                                prompt_logprobs=vllm_prompt_logprobs(tok, outs[0].prompt_logprobs)))
+                                                prompt_logprobs=vllm_prompt_logprobs(tok, outs[0].prompt_logprobs),
+                                                kv_transfer_params=ctx.kv_transfer_reply(req.kv_transfer_params)))
 
         return await answer(request, sub, bool(req.stream), full, lambda: ChatStream(
             tok, sub, params.n, rid, model, fp, req.include_usage, req.continuous_usage, tools))
@@ -179,7 +180,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                     ctx.check_request(ids, params)  # before decoding ids that may be out of the vocabulary
                     t = tok.decode(ids, skip_special_tokens=False)
                 echo_texts.append(t)
-        sub = ctx.submit(prompts, params, req.priority or 0)
+        sub = ctx.submit(prompts, params, req.priority or 0, req.kv_transfer_params)
         n = params.n
         rid = f"cmpl-{uuid.uuid4().hex}"
         fp = settings.system_fingerprint
@@ -202,7 +203,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                     prompt_logprobs=vllm_prompt_logprobs(tok, o.prompt_logprobs) if req.prompt_logprobs is not None
                     else None))
             return _json(CompletionResponse(id=rid, model=model, system_fingerprint=fp, choices=choices,
-                                            usage=usage_of(sub, n)))
+                                            usage=usage_of(sub, n),
+                                            kv_transfer_params=ctx.kv_transfer_reply(req.kv_transfer_params)))
 
         return await answer(request, sub, bool(req.stream), full, lambda: CompletionStream(
             tok, sub, n, rid, model, fp, req.include_usage, req.continuous_usage, echo_of if req.echo else None,

@@ -160,8 +160,9 @@ class RequestState:
 
 
 def fan_out(base: str, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Tokenizer,
-            priority: int = 0) -> list[tuple[RequestState, Request]]:
+            priority: int = 0, kv_transfer_params: Optional[dict] = None) -> list[tuple[RequestState, Request]]:
     """The engine requests of one call: ``params.n`` choices per prompt, each its own request.
+    ``kv_transfer_params`` (prefill/decode disaggregation) goes on every request.
 
     Choice i of prompt p gets rid ``f"{base}-{p}-{i}"``, index ``p * n + i`` (OpenAI's numbering of
     choices over a list of prompts) and a copy of ``params`` with ``n = 1`` and ``seed + i`` (when
@@ -175,5 +176,5 @@ def fan_out(base: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
                         seed=None if params.seed is None else params.seed + i)
             rid = f"{base}-{pi}-{i}"
             out.append((RequestState(rid, pi * n + i, tokenizer, list(ids), p),
-                        Request(rid, list(ids), p, priority=int(priority))))
+                        Request(rid, list(ids), p, priority=int(priority), kv_transfer_params=kv_transfer_params)))
     return out
