@@ -223,7 +223,7 @@ KERNELS = _kernel_builds()
 @pytest.mark.skipif(not KERNELS, reason="no C compiler: the kernels are not built")
 @pytest.mark.parametrize("build", range(len(KERNELS) or 1), ids=lambda i: f"{KERNELS[i][0]}-{KERNELS[i][1]}"
                          if KERNELS else "none")
-@pytest.mark.parametrize("layout", ["int8", "q4_1", "q8_0", "w8a8"])
+@pytest.mark.parametrize("layout", ["int8", "fp8", "q4_1", "q8_0", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
 def test_kernel_path_vs_float64(build, layout, rows):
     """The C kernels (batches up to KERNEL_MAX_ROWS) and the torch path above, in float32 and bfloat16,
@@ -236,7 +236,7 @@ def test_kernel_path_vs_float64(build, layout, rows):
     w = torch.randn(300, 160, generator=g) / 10
     bias = torch.randn(300, generator=g).to(dtype)
     x = torch.randn(rows, 200, generator=g)[:, :160].to(dtype)  # strided rows
-    method = {"int8": Int8LinearMethod, "q4_1": Q4LinearMethod, "q8_0": Q8_0LinearMethod,
+    method = {"int8": Int8LinearMethod, "fp8": Fp8LinearMethod, "q4_1": Q4LinearMethod, "q8_0": Q8_0LinearMethod,
               "w8a8": W8A8LinearMethod}[layout](kernels=kern)
     layer, ref = _reference(method, w, x.float(), bias.float())
     with torch.no_grad():

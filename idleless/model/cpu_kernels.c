@@ -1521,3 +1521,43 @@ void q80_dequant(const int8_t *q, const uint16_t *d, int64_t n, int64_t k, float
             for (int j = 0; j < 32; j++) w[r * k + 32 * b + j] = db * (float)q[(r * nb + b) * 32 + j];
         }
 }
+
+/* ---- fp8 weights per output channel: q8_linear with the bytes decoded through lut[256] --------------
+ * (the format's value of each byte pattern), so any 8-bit float format runs on one kernel:
+ *   out[r, c] = T(scale[c] * sum_k x[r, k] lut[q[c, k]] + bias[c]); fixed-order float32 sums. */
+static inline float dot_lut8(const float *x, const uint8_t *q, const float *lut, int64_t k) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (k % 8 == 0) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i += 8) {
+            __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_i32gather_ps(lut, idx, 4), a);
+        }
+        return hsum8(a);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < k; i++) s += x[i] * lut[q[i]];
+    return s;
+}
+
+#define DEFINE_LUT8(SUF, T)                                                                                    \
+int lut8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *q, const float *lut,       \
+                      const float *scale, int64_t n, const T *bias, T *out, int64_t ldo) {                     \
+    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    if (!xf) return 0;                                                                                         \
+    int64_t ntask = (n + Q_COLS - 1) / Q_COLS;                                                                 \
+    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
+    for (int64_t t = 0; t < ntask; t++)                                                                        \
+        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
+            for (int64_t r = 0; r < m; r++) {                                                                  \
+                float v = scale[c] * dot_lut8(xf + r * k, q + c * k, lut, k);                                  \
+                if (bias) v += LD_##SUF(bias + c);                                                             \
+                ST_##SUF(out + r * ldo + c, v);                                                                \
+            }                                                                                                  \
+    free(xf);                                                                                                  \
+    return 1;                                                                                                  \
+}
+
+DEFINE_LUT8(f32, float)
+DEFINE_LUT8(bf16, uint16_t)

@@ -66,6 +66,7 @@ _SIGNATURES_INT = {
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
     "w8a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q80_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
+    "lut8_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
 }
 # kernels of one version whatever the dtype (float32 outputs)
 _DTYPE_FREE = {"q41_dequant": [_P, _P, _P, _I, _I, _P], "q80_dequant": [_P, _P, _I, _I, _P]}
@@ -576,3 +577,21 @@ class CpuKernels:
         w = torch.empty(n, nb * 32, dtype=torch.float32)
         self._q80_dequant(q.data_ptr(), d.data_ptr(), n, nb * 32, w.data_ptr())
         return w
+
+    def lut8_linear(self, x: torch.Tensor, q: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = (x lut[q]^T) * scale (+ bias) for one-byte weights of any 8-bit float format: x [M, K] in the
+        kernels' dtype (rows may be strided), q [N, K] one byte per weight (e.g. float8_e4m3fn, read as
+        bytes), lut float32 [256] (each byte pattern's value), scale float32 [N] -> new [M, N]; one
+        fixed-order float32 sum per output for any M. Raises ValueError on a layout mismatch,
+        MemoryError when the row buffer cannot be allocated."""
+        n, k = q.shape
+        if (q.element_size() != 1 or not q.is_contiguous() or x.shape[1] != k or lut.dtype != torch.float32
+                or lut.numel() != 256 or not lut.is_contiguous() or scale.dtype != torch.float32
+                or scale.numel() != n or not scale.is_contiguous()):
+            raise ValueError("lut8_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "lut8_linear")
+        if x.shape[0] and not self._lut8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(), lut.data_ptr(),
+                                                scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("lut8_linear: cannot allocate the row buffer")
+        return out

@@ -41,7 +41,9 @@ class QuantizedKV:
         return self.data.dtype
 
     def _dequant(self, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (bits.view(self.data.dtype).float() * scale[..., None]).to(self.out_dtype)
+        # int8 converts directly; fp8 through the table (PyTorch's float8 cast on CPU is far slower)
+        vals = bits.view(torch.int8).float() if self.data.dtype == torch.int8 else self.lut[bits.int()]
+        return (vals * scale[..., None]).to(self.out_dtype)
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` (int64 [n]) dequantised: [n, Hkv, D] in out_dtype. dim must be 0."""

@@ -2,7 +2,7 @@
 ``process_after_load``, read in its quantised form by ``apply``. Portable PyTorch: ``apply`` turns
 ``COL_TILE`` output channels at a time back into the model dtype (a tile's worth of temporary memory,
 never the whole weight) and multiplies; W8A8 sums integer products exactly. With the CPU kernels
-(``cpu_kernels.q8_linear`` / ``q41_linear`` / ``w8a8_linear``), int8, Q4_1 and W8A8 batches of up to
+(``q8_linear``, ``lut8_linear``, ``q41_linear``, ``q80_linear``, ``w8a8_linear``), batches of up to
 ``KERNEL_MAX_ROWS`` rows (decode, speculative verify) read the quantised weight directly instead, and
 larger batches have their GGUF tiles dequantised in C (``q41_dequant`` / ``q80_dequant``).
 
@@ -115,16 +115,25 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return layer.quant["q"][n0:n1].to(dtype), layer.quant["scale"][n0:n1]
 
     def kernel_apply(self, layer, x):
-        if self.qdtype != torch.int8:
-            return None
         return self.kernels.q8_linear(x, layer.quant["q"], layer.quant["scale"], layer.bias)
 
 
 class Fp8LinearMethod(Int8LinearMethod):
-    """fp8 e4m3 weights, one scale per output channel (max|w_row| / 448)."""
+    """fp8 e4m3 weights, one scale per output channel (max|w_row| / 448). Bytes are decoded through a
+    256-entry table (``LUT``: PyTorch's own float8 -> float32 conversion of every pattern), in C for
+    small batches (``cpu_kernels.lut8_linear``) and by indexing for larger ones (PyTorch's float8 cast
+    on CPU is far slower)."""
 
     name = "fp8"
     qdtype = torch.float8_e4m3fn
+    LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+    def tile(self, layer, n0, n1, dtype):
+        codes = layer.quant["q"][n0:n1].view(torch.uint8).int()
+        return self.LUT[codes].to(dtype), layer.quant["scale"][n0:n1]
+
+    def kernel_apply(self, layer, x):
+        return self.kernels.lut8_linear(x, layer.quant["q"], self.LUT, layer.quant["scale"], layer.bias)
 
 
 class Q8_0LinearMethod(QuantizedLinearMethod):
