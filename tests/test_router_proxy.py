@@ -157,7 +157,7 @@ def test_a_started_stream_ends_with_an_error_event(failure):
                     async for chunk in r.aiter_raw():
                         got += chunk
                         if failure == "hang" and got == CHUNKS[0]:
-                            router.pool.workers[w.url].mark(False)  # the health check declares it dead
+                            router.pool.workers[w.url].mark(False, dead=True)  # the health check declares it dead
                 events = [e for e in got.split(b"\n\n") if e]
                 assert events[0] + b"\n\n" == CHUNKS[0] and events[-1] == b"data: [DONE]"
                 err = json.loads(events[-2][len(b"data: "):])["error"]
@@ -266,7 +266,8 @@ def test_exact_follows_a_workers_kv_events():
 def test_health_checks_take_a_worker_out_and_back():
     """Two failed checks in a row (the threshold) mark a worker unhealthy and new traffic avoids it;
     one passing check brings it back (a restarted worker rejoins). A check that times out is no failure
-    while the worker is still sending bytes."""
+    while the worker is still sending bytes; an unhealthy worker's requests end only once it has been
+    silent for --dead-after-secs."""
     async def main():
         mode_a = {}
         async with Served(fake_worker("a", mode_a)) as a, Served(fake_worker("b", {})) as b:
@@ -288,11 +289,16 @@ def test_health_checks_take_a_worker_out_and_back():
                 mode_a["health_delay"] = 1.0
                 wa.last_progress = time.monotonic()
                 assert await pool.check(wa) is False and wa.healthy and wa.failures == 0
-                # ... but a worker that sends nothing and never answers fails like a dead one
-                wa.last_progress = 0.0
+                # ... a worker silent for longer than the check's timeout but less than --dead-after-secs
+                # gets no new traffic, yet its requests in flight go on ...
+                wa.last_progress = time.monotonic() - 30
                 await pool.check(wa)
                 await pool.check(wa)
-                assert not wa.healthy
+                assert not wa.healthy and not wa.dead.is_set()
+                # ... and one silent for longer is dead: its requests end
+                wa.last_progress = time.monotonic() - 61
+                await pool.check(wa)
+                assert not wa.healthy and wa.dead.is_set()
                 mode_a["health_delay"] = 0
                 await pool.check(wa)
                 got = {(await c.post("/v1/completions", json={"prompt": "x"})).json()["worker"] for _ in range(2)}

@@ -152,7 +152,7 @@ class Router:
                 w.retries += 1
                 log.warning("worker %s did not take the request (%s); trying another", w.url, type(e).__name__)
                 if not isinstance(e, WorkerDied):
-                    w.mark(False)  # the health loop brings it back when it answers
+                    w.mark(False, dead=True)  # nothing listens: the health loop brings it back when it answers
                 continue
             except httpx.HTTPError as e:
                 w.finish(key)

@@ -43,6 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-timeout-secs", type=float, default=10.0,
                    help="seconds a health check waits (default 10; a worker still streaming is never failed by a "
                         "slow check)")
+    p.add_argument("--dead-after-secs", type=float, default=60.0,
+                   help="an unhealthy worker silent this long (no answer byte, no KV-event heartbeat) is dead: its "
+                        "requests in flight end with an error (a refused connection: at once; default 60)")
     p.add_argument("--health-failure-threshold", type=int, default=3,
                    help="failed checks in a row that mark a worker unhealthy (default 3)")
     p.add_argument("--max-attempts", type=int, default=3, help="workers tried for a request that did not start")
@@ -97,7 +100,7 @@ async def build_router(args: argparse.Namespace) -> Router:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     pool = WorkerPool(client, health_interval_s=args.health_check_interval_secs,
-                      health_timeout_s=args.health_check_timeout_secs,
+                      health_timeout_s=args.health_check_timeout_secs, dead_after_s=args.dead_after_secs,
                       failure_threshold=args.health_failure_threshold, headers=headers,
                       use_kv_events=args.policy == "exact" or args.track_cache_hits)
     for url in args.worker_urls:

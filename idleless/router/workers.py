@@ -1,14 +1,14 @@
 """The router's workers: one ``Worker`` per engine URL (health, load, what it caches, counters) and
 the ``WorkerPool`` that checks them.
 
-Health: ``GET /health`` every ``health_interval_s``; ``failure_threshold`` failures in a row (or a
-request that could not connect) mark a worker unhealthy, which sets its ``dead`` event so requests
-in flight there end at once; one success marks it healthy again (a restarted worker rejoins). A
-check that times out while the worker is still sending bytes (``last_progress`` within the last
-``health_timeout_s``) is not a failure: a worker busy with long steps answers /health late but is
-alive, and ending its streams would turn load into errors; so is one whose engine's KV-event
-heartbeats still arrive (the engine core answers /health only between steps, and a long prefill
-step on a loaded machine outlasts the timeout). When a
+Health: ``GET /health`` every ``health_interval_s``; ``failure_threshold`` failures in a row mark a
+worker unhealthy (no new traffic); one success marks it healthy again (a restarted worker rejoins).
+A worker is *dead* — its ``dead`` event set, so requests in flight there end at once with an error —
+when it is unhealthy and either refuses connections (the process is gone) or has shown no sign of
+life (a byte of an answer, a KV-event heartbeat) for ``dead_after_s``. A check that times out or
+gets a 503 while the worker still shows signs of life (within ``health_timeout_s``) is no failure:
+the engine core answers /health only between steps, a long prefill step on a loaded machine
+outlasts the timeout, and ending its streams would turn load into errors. When a
 worker is healthy the pool reads its ``GET /get_server_info``: a ``kv_events_config`` there starts a
 ``KVEventSubscriber`` on its endpoints (the exact policy's index and load reports); without one, its
 load comes from ``GET /v1/loads``.
@@ -134,7 +134,8 @@ class Worker:
         if r is not None and r[2]:
             self.recent.append((time.monotonic(), r[2]))
 
-    def mark(self, healthy: bool) -> None:
+    def mark(self, healthy: bool, dead: bool = False) -> None:
+        """Healthy again, or unhealthy (no new traffic) and, with ``dead``, its requests ended."""
         if healthy:
             self.failures = 0
             if not self.healthy:
@@ -145,7 +146,8 @@ class Worker:
             if self.healthy:
                 log.warning("worker %s is unhealthy", self.url)
             self.healthy = False
-            self.dead.set()
+            if dead:
+                self.dead.set()
 
     def describe(self) -> dict:
         sub = self.subscriber
@@ -162,12 +164,14 @@ class WorkerPool:
     calls to workers (a worker API key)."""
 
     def __init__(self, client: httpx.AsyncClient, health_interval_s: float = 5.0, health_timeout_s: float = 10.0,
-                 failure_threshold: int = 3, headers: Optional[dict] = None, use_kv_events: bool = True):
+                 failure_threshold: int = 3, headers: Optional[dict] = None, use_kv_events: bool = True,
+                 dead_after_s: float = 60.0):
         self.client = client
         self.workers: dict[str, Worker] = {}
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.failure_threshold = failure_threshold
+        self.dead_after_s = dead_after_s
         self.headers = headers or {}
         self.use_kv_events = use_kv_events
         self._task: Optional[asyncio.Task] = None
@@ -187,7 +191,7 @@ class WorkerPool:
     async def remove(self, url: str) -> Optional[Worker]:
         w = self.workers.pop(url.rstrip("/"), None)
         if w is not None:
-            w.mark(False)
+            w.mark(False, dead=True)
             if w.subscriber is not None:
                 await w.subscriber.stop()
         return w
@@ -195,23 +199,24 @@ class WorkerPool:
     async def check(self, w: Worker) -> bool:
         """One health check (and, when healthy, the KV-event / load discovery)."""
         t0 = time.monotonic()
+        down = False  # the connection failed: nothing listens there any more
         try:
             r = await self.client.get(w.url + "/health", timeout=self.health_timeout_s)
             ok = r.status_code == 200
         except httpx.TimeoutException:
             ok = False
-            if w.alive_at() > t0 - self.health_timeout_s:  # slow to answer, but streaming or beating: busy
-                return False
         except httpx.HTTPError:
-            ok = False
+            ok, down = False, True
         if ok:
             w.mark(True)
             await self._discover(w)
-        else:
-            w.failures += 1
-            if w.failures >= self.failure_threshold or not w.healthy:
-                w.mark(False)
-        return ok
+            return True
+        if not down and w.alive_at() > t0 - self.health_timeout_s:
+            return False  # slow to answer, but streaming or beating: busy, not failing
+        w.failures += 1
+        if w.failures >= self.failure_threshold or not w.healthy:
+            w.mark(False, dead=down or time.monotonic() - w.alive_at() > self.dead_after_s)
+        return False
 
     async def _discover(self, w: Worker) -> None:
         try:
