@@ -66,12 +66,15 @@ def test_tensor_and_disk_updates(setup):
     assert generate(srv)["output_ids"] == ref["A"]
     assert generate(srv)["meta_info"]["cached_tokens"] > 0
     pusher = WeightPusher(srv.url, timeout_s=60)
+    res = pusher.push_tensor(checkpoint(a), weight_version="v0")  # the file made here is rewritten below
     res = pusher.push_tensor(checkpoint(b), weight_version="v1")
     assert res["success"] and res["flushed_cache"] and res["weight_version"] == "v1"
-    assert not [n for n in os.listdir("/dev/shm") if str(os.getpid()) in n and n.startswith("idleless-shm-")]
     out = generate(srv)
     assert out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == ref["B"]
     assert version(srv) == "v1"
+    pusher.close()
+    assert not [n for n in os.listdir("/dev/shm") if str(os.getpid()) in n and n.startswith("idleless-shm-")]
+    pusher = WeightPusher(srv.url, timeout_s=60)
     res = pusher.push_disk(a, weight_version="v2")
     assert res["success"] and version(srv) == "v2" and generate(srv)["output_ids"] == ref["A"]
 

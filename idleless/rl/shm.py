@@ -2,9 +2,10 @@
 ``/update_weights_from_tensor`` on CPU): the weights never travel over the socket, only a JSON
 handle (the file's path and each tensor's name, dtype, shape and byte offset).
 
-Trainer side: ``SharedTensors.create(named_tensors)`` writes the tensors once into a new file under
+Trainer side: ``SharedTensors.create(named_tensors)`` writes the tensors into a new file under
 ``/dev/shm`` (the OS's temporary directory where there is none) and ``payload()`` is the JSON handle;
-``close()`` removes the file once the engine has answered. Engine side: ``open_shared(path, specs)``
+``write`` rewrites them in place for the next push (no fresh pages to fault in), ``close()`` removes
+the file once the engine has answered. Engine side: ``open_shared(path, specs)``
 maps the file (copy-on-write, nothing is read until used) and returns views of it, which the weight
 loader copies into the parameters. Nothing is unpickled: a handle is plain data, checked before use.
 """
@@ -66,9 +67,26 @@ class SharedTensors:
     """Tensors written once into a shared-memory file (trainer side). Use as a context manager or call
     ``close()`` (removes the file; engines that mapped it keep their mapping until they drop it)."""
 
-    def __init__(self, path: str, specs: list[TensorSpec]):
+    def __init__(self, path: str, specs: list[TensorSpec], buf: torch.Tensor):
         self.path = path
         self.specs = specs
+        self.buf = buf  # uint8 [file size], mapped shared: writes land in the file
+
+    def matches(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bool:
+        """Whether the tensors have this file's names, dtypes and shapes, in order (``write`` fits)."""
+        items = list(named_tensors)
+        return len(items) == len(self.specs) and all(
+            n == s.name and str(t.dtype).replace("torch.", "") == s.dtype and tuple(t.shape) == s.shape
+            for (n, t), s in zip(items, self.specs))
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite the file's tensors in place (same names, dtypes and shapes, in order: ``matches``;
+        ValueError otherwise). Reusing one file saves the first-touch cost of fresh shared pages."""
+        items = [(n, t.detach()) for n, t in named_tensors]
+        if not self.matches(items):
+            raise ValueError("the tensors differ from the shared file's names, dtypes or shapes")
+        for spec, (_, t) in zip(self.specs, items):
+            self.buf[spec.offset:spec.offset + spec.nbytes].view(t.dtype).view(spec.shape).copy_(t)
 
     @classmethod
     def create(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "SharedTensors":
@@ -81,10 +99,9 @@ class SharedTensors:
             specs.append(spec)
             offset += -(-spec.nbytes // ALIGN) * ALIGN
         path = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-        buf = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
-        for spec, (_, t) in zip(specs, items):
-            buf[spec.offset:spec.offset + spec.nbytes].view(t.dtype).view(spec.shape).copy_(t)
-        return cls(path, specs)
+        shared = cls(path, specs, torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8))
+        shared.write(items)
+        return shared
 
     def payload(self) -> dict:
         """The JSON handle: ``{"shm_path": ..., "tensors": [{"name", "dtype", "shape", "offset"}]}``."""

@@ -99,6 +99,7 @@ class WeightPusher:
         self.timeout_s = timeout_s
         self.group: Optional[WeightsUpdateGroup] = None
         self.group_name = "weights_update_group"
+        self.shared: Optional[SharedTensors] = None  # the tensor path's file, reused while the shapes match
 
     def post(self, route: str, body: dict, timeout: Optional[float] = None) -> dict:
         """POST ``body`` to ``route``; the JSON answer, or WeightPushError with the server's message."""
@@ -127,12 +128,19 @@ class WeightPusher:
 
     def push_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: Optional[str] = None,
                     flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
-        """``/update_weights_from_tensor`` through one shared-memory file (written here once, mapped by
-        the server, removed after its answer). The server must run on this machine."""
-        with SharedTensors.create(named_tensors) as shared:
-            return self.post("/update_weights_from_tensor", {**shared.payload(), "weight_version": weight_version,
-                                                             "flush_cache": flush_cache,
-                                                             "abort_all_requests": abort_all_requests})
+        """``/update_weights_from_tensor`` through a shared-memory file (written here, mapped by the
+        server). The file is kept for the next push of the same names and shapes (rewritten in place)
+        and removed by ``close``. The server must run on this machine."""
+        items = list(named_tensors)
+        if self.shared is not None and self.shared.matches(items):
+            self.shared.write(items)
+        else:
+            if self.shared is not None:
+                self.shared.close()
+            self.shared = SharedTensors.create(items)
+        return self.post("/update_weights_from_tensor", {**self.shared.payload(), "weight_version": weight_version,
+                                                         "flush_cache": flush_cache,
+                                                         "abort_all_requests": abort_all_requests})
 
     def init_group(self, master_address: str, master_port: int, group_name: str = "weights_update_group",
                    backend: str = "gloo") -> None:
@@ -182,4 +190,8 @@ class WeightPusher:
                 self.group = None
 
     def close(self) -> None:
+        """Close the HTTP client and remove the shared tensor file."""
         self.http.close()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
