@@ -1,6 +1,7 @@
 """The weights-update process group: a trainer broadcasts new weights from its rank 0 into the engine
 (SGLang's ``init_weights_update_group`` / ``update_weights_from_distributed`` /
-``destroy_weights_update_group``), with torch.distributed (gloo on CPU, NCCL between GPUs).
+``destroy_weights_update_group``), with torch.distributed's gloo backend on CPU (NCCL between GPUs is
+not built yet: refused).
 
 The engine joins as rank ``rank_offset`` of a ``world_size`` group whose rank 0 is the trainer and
 whose store is at ``master_address:master_port`` (rank 0 hosts it). One broadcast per tensor, from
@@ -26,7 +27,7 @@ from idleless.rl.shm import parse_dtype
 @dataclass(frozen=True)
 class GroupSpec:
     """Where and how to join: store address and port, this process's rank, the group's size, its name
-    (an update names the group it uses), the backend (``gloo``, ``nccl``) and the timeout of every
+    (an update names the group it uses), the backend (``gloo``) and the timeout of every
     collective and of the rendezvous, in seconds."""
 
     master_address: str
@@ -38,14 +39,15 @@ class GroupSpec:
     timeout_s: float = 300.0
 
     def check(self) -> None:
-        """ValueError for a rank outside the group, a port outside 1..65535, an unknown backend or a
-        timeout that is not > 0."""
+        """ValueError for a rank outside the group, a port outside 1..65535, a backend other than gloo
+        or a timeout that is not > 0."""
         if not (0 <= self.rank < self.world_size):
             raise ValueError(f"rank {self.rank} is outside a group of {self.world_size}")
         if not (0 < self.master_port < 65536):
             raise ValueError(f"master_port {self.master_port} is not a TCP port")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.backend != "gloo":
+            raise ValueError(f"backend must be gloo (tensors are received on the CPU; NCCL between GPUs is not "
+                             f"built yet), got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
 
