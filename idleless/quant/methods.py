@@ -43,12 +43,12 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 
 
 class QuantizedLinearMethod(LinearMethod):
-    """Base: ``quantize(weight) -> dict of tensors`` stored as ``layer.quant``, ``tile(layer, n0, n1,
-    dtype)`` -> the float weight rows [n1 - n0, K] (or ``scaled_tile``: rows whose products are
-    scaled by per-channel factors afterwards). ``head_method``: the method of the model's lm_head
-    (an output layer is kept at 8 bits, as llama.cpp's files keep it)."""
+    """Base: ``quantize(weight) -> dict of tensors`` stored as ``layer.quant``; ``tile(layer, n0, n1,
+    dtype)`` -> output rows n0..n1 of the weight as floats (and per-channel factors for their
+    products); ``kernel_apply`` the C kernel's product of a small batch. ``head_method``: the method of
+    the model's lm_head (an output layer is kept at 8 bits, as llama.cpp's files keep it).
+    kernels: a ``cpu_kernels.CpuKernels`` of the model dtype or None; not used with row_tile."""
 
-    name = "quantized"
 
     def __init__(self, row_tile: Optional[int] = None, kernels=None):
         self.row_tile = row_tile
@@ -104,7 +104,6 @@ class Int8LinearMethod(QuantizedLinearMethod):
     """int8 weights, one symmetric scale per output channel (max|w_row| / 127); the product of x with
     the int8 values (exact in the model dtype) scaled per channel."""
 
-    name = "int8"
     qdtype = torch.int8
 
     def quantize(self, weight):
@@ -124,7 +123,6 @@ class Fp8LinearMethod(Int8LinearMethod):
     small batches (``cpu_kernels.lut8_linear``) and by indexing for larger ones (PyTorch's float8 cast
     on CPU is far slower)."""
 
-    name = "fp8"
     qdtype = torch.float8_e4m3fn
     LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
@@ -140,8 +138,6 @@ class Q8_0LinearMethod(QuantizedLinearMethod):
     """8-bit weights in GGUF Q8_0 blocks of 32 input features (a float16 step per block; ``formats``):
     the output layer of ``Q4LinearMethod``, as llama.cpp's files keep it (the bundled SmolLM2's tied
     embedding is Q8_0). Raises ValueError at load for in_features not divisible by 32."""
-
-    name = "q8_0"
 
     def quantize(self, weight):
         q, d = quantize_q8_0(weight)
@@ -161,8 +157,6 @@ class Q4LinearMethod(QuantizedLinearMethod):
     """4-bit weights in GGUF blocks of 32 input features (``formats``): Q4_1 (step and minimum per
     block, the default) or Q4_0 (step only). The output layer runs in Q8_0 (``head_method``).
     Raises ValueError at load for in_features not divisible by 32."""
-
-    name = "int4"
 
     def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1", kernels=None):
         super().__init__(row_tile, kernels)
@@ -203,7 +197,6 @@ class W8A8LinearMethod(Int8LinearMethod):
     below 2^24 and so exact in any order, the chunks added as int32. Both give the same bits, for any
     batch (batch-invariant without row tiles)."""
 
-    name = "w8a8"
     #: input features per float32 product: 1024 * 127 * 127 < 2^24
     EXACT_K = 1024
 
