@@ -112,3 +112,31 @@ def test_deterministic_batch_invariance(tiny, combo):
                          torch.cat([s_other, s_main]), [19, 24], [0, 0], [s_other, s_main], torch.arange(19, 43))
     together = runner.forward(batch)
     assert torch.equal(together, alone[:24])
+
+
+@pytest.mark.parametrize("combo", [("int8", "bf16", "fp8_e4m3"), ("int4", "bf16", "int8")], ids=lambda c: "-".join(c))
+def test_smollm2_answers_the_readme_example(smollm2_dir, combo):
+    """The bundled SmolLM2 with int8 weights and an fp8 KV cache (and Q4_1 weights with an int8 one)
+    answers the README's example, greedy."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name the capital of France."}],
+                                  add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
+    runner = build_runner(EngineConfig(model=smollm2_dir, dtype="float32", kv_cache_memory="64MiB",
+                                       num_threads=TEST_THREADS, weight_dtype=combo[0], activation_dtype=combo[1],
+                                       kv_cache_dtype=combo[2]))
+    slots = runner.pool.alloc(0, 0, len(ids) + 16)
+    out, start, new = [], 0, ids
+    for _ in range(16):
+        n = len(new)
+        batch = ForwardBatch(torch.tensor(new), torch.arange(start, start + n), slots[start:start + n], [n], [start],
+                             [slots[:start + n]], torch.tensor([n - 1]))
+        nxt = int(runner.forward(batch).argmax())
+        start += n
+        if nxt == tok.eos_token_id:
+            break
+        out.append(nxt)
+        new = [nxt]
+    assert "Paris" in tok.decode(out)
