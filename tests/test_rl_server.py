@@ -3,7 +3,8 @@ each path (shared-memory tensors, disk, a gloo broadcast from a trainer process)
 fresh offline engine built on B (the independent reference); refused updates are 400s and A keeps
 serving; a prompt cached before an update has cached_tokens 0 after it; a request streaming during an
 update finishes on the old weights (or ends with abort when asked); a trainer that dies mid-broadcast
-leaves the engine serving its old weights, able to join a new group.
+leaves the engine serving its old weights, able to join a new group; pause and continue keep what each
+mode promises.
 """
 
 from __future__ import annotations
@@ -165,3 +166,43 @@ def test_distributed_update_and_a_trainer_dying_mid_broadcast(setup):
         assert generate(srv)["output_ids"] == ref["A"]
     finally:
         pusher.destroy_group()
+
+
+def test_pause_and_continue_in_each_mode(setup):
+    """in_place keeps the running request and its KV; retract releases its KV and recomputes after
+    continue; abort ends it; in every mode a request arriving while paused waits, and everything ends
+    with no KV held."""
+    srv = setup[0]
+    n = 400
+    base = generate(srv, n)["output_ids"]
+    for mode in ("in_place", "retract", "abort"):
+        out, started = [], threading.Event()
+        t = threading.Thread(target=stream, args=(srv, n, out, started))
+        t.start()
+        assert started.wait(120)
+        r = httpx.post(srv.url + "/pause_generation", json={"mode": mode}, timeout=60)
+        assert r.status_code == 200 and r.json()["num_requests"] == (0 if mode == "in_place" else 1), r.text
+        late = []
+        w = threading.Thread(target=lambda: late.append(generate(srv, n)))
+        w.start()
+        time.sleep(1.0)
+        assert not late  # waits while paused
+        s = srv.stats()
+        if mode == "in_place":
+            assert s["num_running"] == 1 and s["kv"]["in_use"] > 0
+        else:
+            assert s["num_running"] == 0 and s["kv"]["in_use"] == 0
+            assert s["num_waiting"] == (1 if mode == "retract" else 0)
+        assert httpx.post(srv.url + "/continue_generation", timeout=60).status_code == 200
+        t.join(300)
+        w.join(300)
+        ids = [i for d in out for i in d["output_ids"]]
+        reason = out[-1]["meta_info"]["finish_reason"]["type"]
+        if mode == "abort":
+            assert reason == "abort" and len(ids) < n
+        else:
+            assert reason == "length" and ids == base
+        assert late[0]["output_ids"] == base
+        srv.wait_idle_kv()
+    r = httpx.post(srv.url + "/pause_generation", json={"mode": "sideways"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode"

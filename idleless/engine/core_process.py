@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional
 from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
 from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, CoreFailed,
-                                      CoreReady, DestroyWeightsUpdateGroup, ErrorOutput, FlushCache, GetStats,
-                                      GetWeightVersion, InitWeightsUpdateGroup, PinPrefix, Ping, Shutdown, UnpinPrefix,
+                                      ContinueGeneration, CoreReady, DestroyWeightsUpdateGroup, ErrorOutput, FlushCache, GetStats,
+                                      GetWeightVersion, InitWeightsUpdateGroup, PauseGeneration, PinPrefix, Ping, Shutdown, UnpinPrefix,
                                       UpdateWeightsFromDisk, UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
 from idleless.rl.control import PendingUpdate, WeightControl
@@ -77,6 +77,7 @@ class EngineCoreLoop:
     ``flush_cache=False``, otherwise once the core has no request (``abort_all_requests`` aborts them
     first; else the requests already in the engine finish on the old weights). Requests arriving
     while an update waits are held back (``held``) and queued after it, so none of them mixes weights.
+    ``PauseGeneration`` stops the steps (and holds new requests) until ``ContinueGeneration``.
     """
 
     def __init__(self, core: EngineCore, pull, push, idle_poll_ms: int = 500, parent_check_s: float = 1.0):
@@ -103,7 +104,10 @@ class EngineCoreLoop:
             UpdateWeightsFromDistributed: self._update_weights,
             InitWeightsUpdateGroup: self._init_weights_update_group,
             DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
+            PauseGeneration: self._pause_generation,
+            ContinueGeneration: self._continue_generation,
         }
+        self.paused = False  # PauseGeneration: no step until ContinueGeneration
         self.weights = WeightControl(core)
         self.deferred: list[tuple[PendingUpdate, Reply]] = []  # updates waiting for the core to be idle
         self.held: list[Request] = []  # requests that arrived while an update waits
@@ -140,7 +144,7 @@ class EngineCoreLoop:
     def _add(self, req: Request) -> None:
         if not isinstance(req, Request) or not isinstance(req.rid, str):
             raise TypeError(f"AddRequest.request must be a Request, got {type(req).__name__}")
-        if self.deferred:
+        if self.deferred or self.paused:
             self.held.append(req)
             return
         try:
@@ -219,10 +223,40 @@ class EngineCoreLoop:
     def _destroy_weights_update_group(self, verb: DestroyWeightsUpdateGroup, reply: Reply) -> None:
         reply.ok(self.weights.destroy_group(verb))
 
+    def _pause_generation(self, verb: PauseGeneration, reply: Reply) -> None:
+        if verb.mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"mode must be abort, retract or in_place, got {verb.mode!r}", param="mode")
+        sched = self.core.scheduler
+        n = 0
+        if verb.mode == "abort":
+            n = self.weights.updater.abort_all() + self._abort_held()
+            self.pending.extend(self.core.step())  # nothing left to run: this only reports the aborts
+        elif verb.mode == "retract":
+            for rec in list(sched.running):
+                sched._retract(rec)  # noqa: SLF001 - Scheduler has no public retract yet (see the report)
+                n += 1
+        self.paused = True
+        reply.ok(n)
+
+    def _continue_generation(self, verb: ContinueGeneration, reply: Reply) -> None:
+        self.paused = False
+        if not self.deferred:
+            self._release_held()
+        reply.ok(True)
+
+    def _release_held(self) -> None:
+        held, self.held = self.held, []
+        for req in held:
+            self._add(req)  # refusals become the request's ErrorOutput there
+
+    def _update_ready(self) -> bool:
+        """A deferred update waits and may be written now."""
+        return bool(self.deferred) and (not self.core.has_work() or (self.paused and not self.core.scheduler.running))
+
     def _run_deferred(self) -> None:
-        """Between steps, once the core is idle: write the waiting updates in arrival order, answer
-        each, then queue the requests held back meanwhile."""
-        if not self.deferred or self.core.has_work():
+        """Between steps, once the core is idle (paused: once no request runs): write the waiting
+        updates in arrival order, answer each, then queue the requests held back meanwhile."""
+        if not self._update_ready():
             return
         updates, self.deferred = self.deferred, []
         for pending, reply in updates:
@@ -231,9 +265,8 @@ class EngineCoreLoop:
             except Exception as e:  # noqa: BLE001 - a failed write must not end the loop
                 log.exception("engine core: weight update failed")
                 reply.fail(f"{type(e).__name__}: {e}")
-        held, self.held = self.held, []
-        for req in held:
-            self._add(req)  # refusals become the request's ErrorOutput there
+        if not self.paused:
+            self._release_held()
 
     def _drop_held(self, rid: str) -> bool:
         """Abort a request held back by a waiting update: it ends with finish_reason ``abort``."""
@@ -322,7 +355,7 @@ class EngineCoreLoop:
         clock = sched.clock
         clock.reset()
         while self.running:
-            busy = self.core.has_work() or bool(self.deferred)
+            busy = (self.core.has_work() and not self.paused) or self._update_ready()
             if not busy:
                 if sched.tracer is not None:
                     sched.tracer.flush()  # a run's trace is complete on disk once the engine idles
@@ -335,7 +368,7 @@ class EngineCoreLoop:
             if not self._parent_alive():
                 log.warning("engine core: the frontend process is gone; exiting")
                 break
-            if self.running and self.core.has_work():
+            if self.running and self.core.has_work() and not self.paused:
                 try:
                     self.pending.extend(self.core.step())
                 except Exception as e:  # noqa: BLE001

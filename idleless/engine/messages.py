@@ -194,6 +194,23 @@ class DestroyWeightsUpdateGroup(ControlVerb):
 
 
 @dataclass(frozen=True)
+class PauseGeneration(ControlVerb):
+    """Stop stepping (SGLang's ``pause_generation``) until ``ContinueGeneration``; requests arriving
+    meanwhile wait. ``mode``: ``abort`` ends every request in the engine (finish_reason ``abort``);
+    ``retract`` sends the running ones back to the queue, their KV released (recomputed, or found in
+    the prefix cache, after continue); ``in_place`` keeps them as they are. A weight update that
+    flushes the cache goes ahead while paused once no request runs (abort, retract). Result: the
+    number of requests aborted or retracted (0 for in_place); refused for another mode."""
+
+    mode: str = "abort"
+
+
+@dataclass(frozen=True)
+class ContinueGeneration(ControlVerb):
+    """Resume after ``PauseGeneration`` (the requests that waited are queued). Result: ``True``."""
+
+
+@dataclass(frozen=True)
 class ControlCall:
     """Envelope of one control verb; ``call_id`` (unique per frontend) pairs it with its reply."""
 

@@ -117,15 +117,17 @@ class WeightUpdater:
         """Write a checked update (``check``) and re-process every linear method, then empty the prefix
         cache unless ``flush_cache`` is False, then take ``weight_version`` if given.
 
-        Call between steps; with ``flush_cache`` only while the core has no request (the cache holds KV
-        of running requests otherwise): RuntimeError, nothing written, if requests run or wait."""
+        Call between steps; with ``flush_cache`` only while no request runs (the cache holds KV of
+        running requests otherwise; waiting ones, never admitted or retracted, hold none):
+        RuntimeError, nothing written, if requests run."""
         sched = self.core.scheduler
-        if flush_cache and (sched.running or sched.waiting):
-            raise RuntimeError("a weight update that flushes the cache must run while no request runs or waits")
+        if flush_cache and sched.running:
+            raise RuntimeError("a weight update that flushes the cache must run while no request runs")
         t0 = time.perf_counter()
         runner = self.core.runner
         runner.prepacked_bytes = write_weights(runner.model, planned)
-        flushed = bool(flush_cache and self.core.flush_cache())
+        if flush_cache:
+            sched.cache.reset()
         if weight_version is not None:
             self.weight_version = str(weight_version)
-        return UpdateResult(self.weight_version, len(planned), flushed, num_aborted, time.perf_counter() - t0)
+        return UpdateResult(self.weight_version, len(planned), flush_cache, num_aborted, time.perf_counter() - t0)

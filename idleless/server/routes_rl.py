@@ -9,6 +9,8 @@
     POST /update_weights_from_distributed   {names, dtypes, shapes, group_name, weight_version?, flush_cache,
                                              abort_all_requests}
     POST /destroy_weights_update_group      {group_name}
+    POST /pause_generation                  {mode: abort|retract|in_place} -> {"success", "num_requests"}
+    POST /continue_generation               {}
 
 An update answers ``{"success": true, "message", "weight_version", "num_tensors", "flushed_cache",
 "num_aborted_requests", "seconds"}`` once written (between two engine steps; with flush_cache after the
@@ -24,14 +26,15 @@ unpickling a client's bytes runs the client's code.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from idleless.engine.messages import (DestroyWeightsUpdateGroup, GetWeightVersion, InitWeightsUpdateGroup,
-                                      UpdateWeightsFromDisk, UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
+from idleless.engine.messages import (ContinueGeneration, DestroyWeightsUpdateGroup, GetWeightVersion,
+                                      InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDisk,
+                                      UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
 from idleless.server.context import ServerContext, engine_unavailable
 from idleless.server.engine_client import CallFailed, CallRefused, EngineDeadError
 from idleless.server.protocol import APIError, parse_request
@@ -89,6 +92,10 @@ class UpdateFromDistributedRequest(_UpdateOptions):
 
 class DestroyGroupRequest(_Body):
     group_name: str = GROUP
+
+
+class PauseRequest(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
@@ -164,3 +171,17 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_request(DestroyGroupRequest, await ctx.read_json(request))
         await call(DestroyWeightsUpdateGroup(req.group_name), timeout=30.0, param="group_name")
         return JSONResponse({"success": True, "message": f"left {req.group_name!r}"})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        """Stop the engine's steps until /continue_generation (``PauseGeneration``'s modes); requests
+        arriving meanwhile wait. ``num_requests``: requests aborted or retracted."""
+        body = await request.body()
+        req = parse_request(PauseRequest, (await ctx.read_json(request)) if body.strip() else {})
+        n = await call(PauseGeneration(req.mode), timeout=60.0, param="mode")
+        return JSONResponse({"success": True, "mode": req.mode, "num_requests": n})
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await call(ContinueGeneration(), timeout=60.0)
+        return JSONResponse({"success": True})
