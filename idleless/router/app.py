@@ -125,8 +125,12 @@ class Router:
                 raise ValueError("not an object")
         except ValueError as e:
             return _error(400, f"the body is not a JSON object: {e}", "invalid_json", "invalid_request_error")
+        return await self.forward(raw, body, self._headers(request), path)
+
+    async def forward(self, raw: bytes, body: dict, headers: dict, path: str) -> Response:
+        """Send ``raw`` (the JSON of ``body``) to a worker the policy picks, retrying workers it never
+        started on; the answer streamed back or whole, or an OpenAI error (502 / 503)."""
         inp = await self.route_input(body)
-        headers = self._headers(request)
         tried: set[str] = set()
         for _ in range(self.settings.max_attempts):
             candidates = [w for w in self.pool.healthy() if w.url not in tried]
