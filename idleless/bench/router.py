@@ -32,7 +32,6 @@ import random
 import subprocess
 import sys
 import time
-from typing import Optional
 
 POLICY_NAMES = ("exact", "round_robin", "cache_aware_approx", "power_of_two")
 
