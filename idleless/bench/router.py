@@ -49,6 +49,7 @@ def cpu_model() -> str:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (see the module docstring)."""
     p.add_argument("--dp", type=int, default=2, help="engine replicas (default 2)")
     p.add_argument("--model", default=None, help="the replicas' model (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
@@ -213,6 +214,7 @@ def _fmt(v, spec: str) -> str:
 
 
 def format_tables(result: dict) -> str:
+    """Markdown tables of a result: one row per (workload, policy), then the router-cost curve."""
     lines = [f"CPU: {result['cpu']}; {result['dp']} replicas x {result['threads_per_replica']} thread(s), "
              f"KV pool {result['kv_cache_memory']} each; model {result['model']}", "",
              "| workload | policy | engine hit rate | router-seen hit | oracle hit | output tok/s | TTFT p50 ms | "

@@ -112,12 +112,14 @@ class Router:
         return h
 
     async def route_input(self, body: dict) -> RouteInput:
+        """The request as the policy sees it (token ids only when the policy or the hit count needs them)."""
         tokens = None
         if (self.policy.needs_tokens or self.settings.track_cache_hits) and self.tokenizer is not None:
             tokens = await asyncio.to_thread(self.tokenizer.tokens, body)
         return RouteInput(route_text(body), tokens)
 
     async def proxy(self, request: Request, path: str) -> Response:
+        """Forward a client's POST to ``path``; 400 when the body is not a JSON object."""
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -220,6 +222,7 @@ class Router:
                                  media_type="text/event-stream")
 
     async def models(self, request: Request) -> Response:
+        """``GET /v1/models`` of the first healthy worker that answers; 503 when none does."""
         for w in self.pool.healthy():
             try:
                 r = await self.pool.client.get(w.url + "/v1/models", headers=self._headers(request))

@@ -45,6 +45,7 @@ class KVEventsConfig:
 
     @classmethod
     def parse(cls, text: str) -> "KVEventsConfig":
+        """The config from the flag's JSON text. Raises ValueError (see the class)."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -121,12 +122,15 @@ class KVEventPublisher:
 
     # -- the radix tree's listener (engine thread) ------------------------------------------
     def on_stored(self, tokens: list[int], start: int) -> None:
+        """The tree now holds ``tokens`` (token ids; it held ``tokens[:start]`` before)."""
         self._events.append(("stored", start, tokens))
 
     def on_removed(self, tokens: list[int], start: int) -> None:
+        """The tree no longer holds ``tokens[start:]``."""
         self._events.append(("removed", start, tokens))
 
     def on_cleared(self) -> None:
+        """The tree was emptied."""
         self._events = [("cleared",)]  # what came before in this step no longer matters
 
     def end_step(self, load: dict) -> None:
@@ -197,6 +201,7 @@ class KVEventStream:
         self.snapshots = 0  # snapshots applied (a gap's recovery is visible in /metrics)
 
     def feed(self, message: dict) -> bool:
+        """Take one published message (the wire dict); True when a snapshot is needed."""
         if message.get("load") is not None:
             self.load = message["load"]
         seq, events = int(message["seq"]), message.get("events") or []
@@ -222,6 +227,7 @@ class KVEventStream:
         return True
 
     def apply_snapshot(self, seq: int, paths: Sequence[Sequence[int]], epoch: Optional[str] = None) -> bool:
+        """Rebuild from a snapshot as of batch ``seq``; True when another snapshot is needed."""
         if epoch is not None and epoch != self.epoch:  # the engine restarted since: buffered batches are stale
             self.epoch, self.buffer = epoch, {}
         self.index.clear()

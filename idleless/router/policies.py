@@ -54,6 +54,8 @@ class Policy(abc.ABC):
 
 
 class RoundRobin(Policy):
+    """The workers in turn (the turn counts decisions, over whichever workers are healthy)."""
+
     name = "round_robin"
 
     def __init__(self):

@@ -35,9 +35,11 @@ class KVEventSubscriber:
         return self.stream.seq is not None
 
     def start(self) -> None:
+        """Run ``run()`` as a task on the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self) -> None:
+        """Cancel the task and wait for its sockets to close."""
         if self._task is not None:
             self._task.cancel()
             try:

@@ -48,6 +48,7 @@ class ApproxTree:
         self._clock = itertools.count(1)
 
     def size(self, worker: str) -> int:
+        """Characters attributed to ``worker``."""
         return self.sizes.get(worker, 0)
 
     def _split(self, node: _Node, k: int) -> _Node:

@@ -65,10 +65,12 @@ class Worker:
 
     @property
     def host(self) -> str:
+        """The worker URL's host name (where its KV-event endpoints are reached)."""
         return urlsplit(self.url).hostname or "127.0.0.1"
 
     @property
     def inflight(self) -> int:
+        """The router's requests in flight on this worker."""
         return len(self.requests)
 
     def alive_at(self) -> float:
@@ -130,6 +132,7 @@ class Worker:
             self.requests[key][1] = 0
 
     def finish(self, key: int) -> None:
+        """The request ended (any way); its prompt counts as just cached for a moment."""
         r = self.requests.pop(key, None)
         if r is not None and r[2]:
             self.recent.append((time.monotonic(), r[2]))
@@ -150,6 +153,7 @@ class Worker:
                 self.dead.set()
 
     def describe(self) -> dict:
+        """The worker's state as JSON (``GET /workers``)."""
         sub = self.subscriber
         return {"url": self.url, "healthy": self.healthy, "inflight": self.inflight, "load": self.load(),
                 "queued_prefill_tokens": self.queued_prefill_tokens(), "routed": self.routed,
@@ -177,6 +181,7 @@ class WorkerPool:
         self._task: Optional[asyncio.Task] = None
 
     def healthy(self) -> list[Worker]:
+        """The workers that pass their health checks, in order of addition."""
         return [w for w in self.workers.values() if w.healthy]
 
     async def add(self, url: str) -> Worker:
@@ -189,6 +194,7 @@ class WorkerPool:
         return w
 
     async def remove(self, url: str) -> Optional[Worker]:
+        """Take the worker at ``url`` out (its requests in flight end); None if unknown."""
         w = self.workers.pop(url.rstrip("/"), None)
         if w is not None:
             w.mark(False, dead=True)
@@ -242,6 +248,7 @@ class WorkerPool:
             log.debug("worker %s: discovery failed: %s", w.url, e)
 
     def start(self) -> None:
+        """Start the health loop on the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
@@ -250,6 +257,7 @@ class WorkerPool:
             await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
 
     async def stop(self) -> None:
+        """Stop the health loop and every KV-event subscriber."""
         if self._task is not None:
             self._task.cancel()
             try:
