@@ -60,6 +60,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--track-cache-hits", action="store_true",
                    help="tokenize and follow KV events whatever the policy, to count each policy's hits against "
                         "the oracle's (idleless_router_oracle_hit_tokens_total); the bench turns it on")
+    g = p.add_argument_group("prefill/decode disaggregation (idleless.router.pd)")
+    g.add_argument("--pd-disaggregation", action="store_true",
+                   help="chain a prefill engine (--prefill) and a decode engine (--decode) per request")
+    g.add_argument("--prefill", nargs="*", default=[], help="prefill engines' base URLs (--policy picks)")
+    g.add_argument("--decode", nargs="*", default=[], help="decode engines' base URLs (--decode-policy picks)")
+    g.add_argument("--decode-policy", choices=POLICIES, default="power_of_two",
+                   help="how a decode engine is picked (default power_of_two: by load)")
+    g.add_argument("--prefill-timeout-secs", type=float, default=60.0,
+                   help="seconds the prefill leg may take before the decode engine prefills itself")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -116,6 +125,8 @@ async def build_router(args: argparse.Namespace) -> Router:
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.pd_disaggregation:
+        return await _serve_pd(args)
     router = await build_router(args)
     app = build_app(router)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
@@ -127,6 +138,26 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         await router.pool.stop()
         await router.pool.client.aclose()
+    return 0
+
+
+async def _serve_pd(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from idleless.router.pd import build_pd_app, build_pd_router
+    try:
+        pd = await build_pd_router(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(build_pd_app(pd), host=args.host, port=args.port, log_config=None,
+                                           access_log=False, lifespan="off", timeout_keep_alive=5))
+    log.info("idleless PD router on http://%s:%d: prefill %s (%s), decode %s (%s)", args.host, args.port,
+             " ".join(args.prefill), pd.prefill.policy.name, " ".join(args.decode), pd.decode.policy.name)
+    try:
+        await server.serve()
+    finally:
+        await pd.close()
     return 0
 
 

@@ -1,0 +1,137 @@
+"""Prefill/decode disaggregation through HTTP (issue 18): a prefill server, a decode server and the PD
+router (``idleless router --pd-disaggregation``) on 127.0.0.1 with the bundled SmolLM2.
+
+Reference: the decode server answering the same request itself (no kv_transfer_params). Deterministic
+inference is on, so the tokens and logprobs must agree bitwise whether the prompt's KV was pulled from
+the prefill server, computed there, or partly cached. Then the prefill server is killed: requests
+still succeed (the decode server prefills them itself) and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["--dtype", "float32", "--kv-cache-memory", "96MiB", "--num-threads", "1", "--log-level", "warning",
+        "--enable-deterministic-inference"]
+
+
+@pytest.fixture(scope="module")
+def pd(smollm2_dir):
+    bootstrap = free_port()
+    p = ServerProcess(ARGS + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)])
+    d = ServerProcess(ARGS + ["--disaggregation-mode", "decode", "--disaggregation-timeout", "20"])
+    router = None
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        port = free_port()
+        log = open(p.log_path + ".router", "wb")
+        router = subprocess.Popen([sys.executable, "-m", "idleless.cli", "router", "--port", str(port),
+                                   "--pd-disaggregation", "--prefill", p.url, "--decode", d.url,
+                                   "--policy", "round_robin", "--prefill-timeout-secs", "30"],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert router.poll() is None, open(p.log_path + ".router").read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the PD router did not come up"
+            time.sleep(0.3)
+        yield p, d, url
+    finally:
+        if router is not None:
+            router.send_signal(signal.SIGTERM)
+            try:
+                router.wait(20)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        p.stop()
+        d.stop()
+
+
+PREFIX = list(range(1000, 1160))
+
+
+def _body(prompt, **kw):
+    return {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1, **kw}
+
+
+def _answer(r: httpx.Response):
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"]
+
+
+def _kv(d) -> dict:
+    return d.stats()["kv_transfer"]
+
+
+def test_pd_equals_the_decode_server_alone_bitwise_and_pulls_only_the_suffix(pd):
+    p, d, url = pd
+    model = httpx.get(d.url + "/v1/models").json()["data"][0]["id"]
+    prompt = PREFIX + [2000 + i for i in range(40)]
+    via_pd = _answer(httpx.post(url + "/v1/completions", json=_body(prompt, model=model), timeout=300))
+    st = _kv(d)
+    assert st["num_transfers"] == 1 and st["num_tokens_received"] == len(prompt) - 1
+    alone = _answer(httpx.post(d.url + "/v1/completions", json=_body(prompt, model=model), timeout=300))
+    assert via_pd == alone  # text and every logprob, bitwise (JSON floats round-trip exactly)
+    assert httpx.post(d.url + "/flush_cache").status_code == 200
+    cold = _answer(httpx.post(d.url + "/v1/completions", json=_body(prompt, model=model), timeout=300))
+    assert cold == alone
+
+    # A second prompt sharing PREFIX: the decode server holds it (from the pull above? flushed: from
+    # this cold run), so only the rest travels.
+    second = PREFIX + [3000 + i for i in range(30)]
+    before = _kv(d)
+    via_pd = _answer(httpx.post(url + "/v1/completions", json=_body(second, model=model), timeout=300))
+    after = _kv(d)
+    assert after["num_skipped_tokens"] - before["num_skipped_tokens"] >= len(PREFIX)
+    assert after["num_tokens_received"] - before["num_tokens_received"] == len(second) - 1 - (
+        after["num_skipped_tokens"] - before["num_skipped_tokens"])
+    assert via_pd == _answer(httpx.post(d.url + "/v1/completions", json=_body(second, model=model), timeout=300))
+
+
+def test_streamed_chat_through_pd_equals_the_unstreamed_answer(pd):
+    p, d, url = pd
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    whole = httpx.post(url + "/v1/chat/completions", timeout=300,
+                       json={"messages": msgs, "max_tokens": 16, "temperature": 0})
+    assert whole.status_code == 200, whole.text
+    text = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=300,
+                      json={"messages": msgs, "max_tokens": 16, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for ch in json.loads(line[6:])["choices"]:
+                    text += ch["delta"].get("content") or ""
+    assert text == whole.json()["choices"][0]["message"]["content"]
+
+
+def test_a_dead_prefill_server_falls_back_to_decode_side_prefill(pd):
+    p, d, url = pd
+    p.stop(signal.SIGKILL)
+    prompt = [4000 + i for i in range(50)]
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json=_body(prompt), timeout=120)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 < 100  # ended, not hung
+    assert _answer(r) == _answer(httpx.post(d.url + "/v1/completions", json=_body(prompt), timeout=120))
+    workers = httpx.get(url + "/workers").json()
+    assert workers["counters"]["prefill_failed"] + workers["counters"]["prefill_skipped"] >= 1
+    assert _kv(d)["num_pending"] == 0
