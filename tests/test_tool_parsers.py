@@ -120,3 +120,12 @@ def test_smollm2_tools_template_renders_tools_calls_and_results():
     assert "<tool_response>\n12 C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
     plain = env.from_string(SMOLLM2_TOOLS_TEMPLATE).render(messages=msgs[:1], tools=None, add_generation_prompt=True)
     assert plain.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_auto_without_parallel_calls_keeps_the_first():
+    text = '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]</tool_call>'
+    plan = ToolPlan("auto", parser=make_parser("smollm2"), parallel=False)
+    content, calls, reason = plan.reply(text, "stop")
+    assert [c.function.name for c in calls] == ["a"] and reason == "tool_calls"
+    _, deltas, _ = _stream(plan, [text, ""])
+    assert _assemble(deltas) == [("a", {})]

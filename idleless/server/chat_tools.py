@@ -29,11 +29,18 @@ ARGUMENT_PIECE = 16  # characters of arguments per streamed delta when a call is
 
 @dataclass
 class ToolPlan:
-    """mode: none | auto | required | named; name: the named function; parser: auto's parser."""
+    """mode: none | auto | required | named; name: the named function; parser: auto's parser;
+    parallel: more than one call per reply (``parallel_tool_calls``; auto keeps the first otherwise)."""
 
     mode: str = "none"
     name: Optional[str] = None
     parser: Optional[ToolParser] = None
+    parallel: bool = True
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """auto: the parser's (content, calls), cut to one call without parallel tool calls."""
+        content, calls = self.parser.parse(text)
+        return content, calls if self.parallel else calls[:1]
 
     @staticmethod
     def of(req: ChatCompletionRequest, params: SamplingParams, parser: Optional[ToolParser],
@@ -54,7 +61,7 @@ class ToolPlan:
                 raise APIError(400, 'tool_choice "auto" needs a tool-call parser: start the server with '
                                "--tool-call-parser (hermes, smollm2, llama3_json), or use \"required\" or a "
                                "named function", param="tool_choice", code="invalid_value")
-            return ToolPlan("auto", parser=parser), params
+            return ToolPlan("auto", parser=parser, parallel=req.parallel_tool_calls is not False), params
         if params.structured_output is not None:
             raise APIError(400, f'tool_choice "{mode}" constrains the reply already; drop the output constraint',
                            param="tool_choice", code="invalid_value")
@@ -76,7 +83,7 @@ class ToolPlan:
             calls = calls_of_required(text)
             content = None if calls else text
         else:
-            content, calls = self.parser.parse(text)
+            content, calls = self.parse(text)
             content = content or None
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
         return content, out, ("tool_calls" if out and finish_reason == "stop" else finish_reason)
@@ -128,7 +135,7 @@ class ToolStream:
             piece, self.sent = self.buf[self.sent:k], k
             return piece, []
         rest = self.buf[self.sent:]
-        content, calls = self.plan.parser.parse(rest)
+        content, calls = self.plan.parse(rest)
         return (content if calls else rest), self._deltas(calls)
 
     def _deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
