@@ -47,7 +47,3 @@ class StructuredOutput:
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choice needs a non-empty list of non-empty strings")
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
-
-    def describe(self) -> str:
-        """A short human-readable name for errors and logs."""
-        return self.kind if len(self.value) <= 60 else f"{self.kind} ({len(self.value)} characters)"
