@@ -15,7 +15,7 @@ import torch
 from conftest import TEST_THREADS, make_tiny_model
 from idleless.config import EngineConfig
 from idleless.model.runner import ForwardBatch
-from idleless.quant.build import build_runner
+from idleless.model.runner import ModelRunner
 from idleless.quant.methods import Q4LinearMethod, Q8_0LinearMethod, W8A8LinearMethod
 
 # (weight, activation, kv): (mean KL bound, top-1 agreement bound)
@@ -57,13 +57,13 @@ def _run(runner, ids: list[int], prefill: int) -> torch.Tensor:
 def tiny(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("quant"), seed=3)
     ids = torch.randint(3, 256, (32,), generator=torch.Generator().manual_seed(5)).tolist()
-    return path, ids, _run(build_runner(_config(path)), ids, 24)
+    return path, ids, _run(ModelRunner(_config(path)), ids, 24)
 
 
 @pytest.mark.parametrize("combo", list(COMBOS), ids=lambda c: "-".join(c))
 def test_combination_close_to_float(tiny, combo):
     path, ids, ref = tiny
-    runner = build_runner(_config(path, *combo))
+    runner = ModelRunner(_config(path, *combo))
     logits = _run(runner, ids, 24)
     kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
@@ -75,18 +75,18 @@ def test_combination_close_to_float(tiny, combo):
 
 def test_methods_attached(tiny):
     path = tiny[0]
-    r = build_runner(_config(path, "int4", kv="int8"))
+    r = ModelRunner(_config(path, "int4", kv="int8"))
     assert isinstance(r.model.layers[0].mlp.down_proj.method, Q4LinearMethod)
     assert isinstance(r.model.lm_head.method, Q8_0LinearMethod)  # the output layer kept at 8 bits
     assert r.pool.quantized and r.pool.k_cache.dtype == torch.int8
-    r = build_runner(_config(path, "int8", "int8"))
+    r = ModelRunner(_config(path, "int8", "int8"))
     assert isinstance(r.model.layers[1].self_attn.qkv_proj.method, W8A8LinearMethod)
 
 
 def test_broken_scale_is_caught(tiny):
     """The tolerance has teeth: int8 weights whose scales are off by 2x fail the KL bound."""
     path, ids, ref = tiny
-    runner = build_runner(_config(path, "int8"))
+    runner = ModelRunner(_config(path, "int8"))
     for m in runner.model.modules():
         if hasattr(m, "quant"):
             m.quant["scale"] *= 2
@@ -103,7 +103,7 @@ def test_deterministic_batch_invariance(tiny, combo):
     batch with other requests (quantised weights on fixed row tiles or exact W8A8 sums, quantised KV in
     the chunked PyTorch attention)."""
     path, ids, _ = tiny
-    runner = build_runner(_config(path, *combo, enable_deterministic_inference=True))
+    runner = ModelRunner(_config(path, *combo, enable_deterministic_inference=True))
     alone = _run(runner, ids, 24)
     pool = runner.pool
     other = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -124,7 +124,7 @@ def test_smollm2_answers_the_readme_example(smollm2_dir, combo):
     ids = tok.apply_chat_template([{"role": "user", "content": "Name the capital of France."}],
                                   add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
-    runner = build_runner(EngineConfig(model=smollm2_dir, dtype="float32", kv_cache_memory="64MiB",
+    runner = ModelRunner(EngineConfig(model=smollm2_dir, dtype="float32", kv_cache_memory="64MiB",
                                        num_threads=TEST_THREADS, weight_dtype=combo[0], activation_dtype=combo[1],
                                        kv_cache_dtype=combo[2]))
     slots = runner.pool.alloc(0, 0, len(ids) + 16)

@@ -135,7 +135,7 @@ def _cpu_name() -> str:
 
 def run(args: argparse.Namespace) -> dict:
     from idleless.model.loader import prepare_model_dir
-    from idleless.quant.build import build_runner
+    from idleless.model.runner import ModelRunner
     from idleless.cache.kv_pool import KVPool
     from transformers import AutoTokenizer
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
         cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                            kv_cache_memory=args.kv_cache_memory, **prec)
         t0 = time.perf_counter()
-        runner = build_runner(cfg)
+        runner = ModelRunner(cfg)
         load_s = time.perf_counter() - t0
         m = measure(runner, ids, args.chunk, args.prefill_tokens, args.decode_steps)
         if ref is None:

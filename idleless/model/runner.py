@@ -17,7 +17,7 @@ from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import select_ops
 from idleless.engine.request import PromptLogprob
 from idleless.model.sampler import SamplingRow, sample, token_logprobs
-from idleless.model.loader import load_model_config, load_state_dict, prepare_model_dir
+from idleless.model.loader import load_model_config, load_state_dict, native_weight_dtype, prepare_model_dir
 from idleless.model.weights import load_weights
 from idleless.structured.grammar import TokenMasks
 
@@ -116,8 +116,13 @@ class ModelRunner:
         self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
         self.ops = select_ops(self.kernels)
         det = config.enable_deterministic_inference
+        # precision (issue 14): --weight-dtype auto is the checkpoint's own format (native Q4_1 for the
+        # bundled GGUF), --activation-dtype, --kv-cache-dtype; quantised methods are chosen here too
+        self.weight_dtype = config.weight_dtype if config.weight_dtype != "auto" else (
+            native_weight_dtype(config.model) or "bf16")
         self.linear_method = select_linear_method(self.dtype, config.device, config.disable_weight_prepack,
-                                                  self.kernels, deterministic=det)
+                                                  self.kernels, deterministic=det, weight_dtype=self.weight_dtype,
+                                                  activation_dtype=config.activation_dtype)
         self.model = LlamaForCausalLM(mc, self.context_length, self.ops, self.linear_method)
         self.model.to(self.dtype)
         self.model.rope.cos = self.model.rope.cos.float()
@@ -125,18 +130,20 @@ class ModelRunner:
         self.model.eval()
         self.prepacked_bytes = 0  # bytes the linear method holds beyond the weights (packed copies)
         self.load_weights(load_state_dict(self.model_dir, self.dtype).items(), require_all=True)
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
+                                           config.kv_cache_dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
         self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
-                           self.dtype, config.device, config.page_size)
+                           self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype)
         self.backend = CompositeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
         # structured outputs: per-request grammar matchers -> the sampler's token masks (the grammar engine
         # and the vocabulary load in a worker thread from here on)
         self.token_masks = TokenMasks(config.tokenizer or self.model_dir, mc.vocab_size)
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s (%s, %d layers) in %.1f s; KV pool %d tokens (%.2f GiB)", self.model_dir,
-                 self.dtype, mc.num_hidden_layers, self.load_seconds, self.pool.num_slots,
+        log.info("loaded %s (%s, %d layers) in %.1f s; weights %s, activations %s; KV pool %d tokens in %s "
+                 "(%.2f GiB)", self.model_dir, self.dtype, mc.num_hidden_layers, self.load_seconds, self.weight_dtype,
+                 config.activation_dtype, self.pool.num_slots, config.kv_cache_dtype,
                  self.pool.num_slots * per_token / 1024**3)
 
     @torch.inference_mode()
