@@ -281,7 +281,7 @@ def test_generate_native_and_admin(server, http):
             buckets[line.split('bucket="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
         if line.startswith("idleless:busy_fraction{"):
             busy = float(line.rsplit(" ", 1)[1])
-    assert set(buckets) == {"forward", "verify", "draft", "schedule", "io", "idle_no_work", "other"}
+    assert set(buckets) == {"forward", "verify", "draft", "schedule", "kv_transfer", "io", "idle_no_work", "other"}
     assert buckets["forward"] > 0 and buckets["idle_no_work"] > 0 and 0.0 < busy <= 1.0
 
 

@@ -1,7 +1,7 @@
 """``idleless bench precision``: each weight / activation / KV-cache precision against the float model on
 one fixed text (quality) and batch-1 speed, side by side in one process (issue 14).
 
-    python -m idleless.bench.precision [--model PATH] [--combos int8,int4,kv=int8,...] [--output r.json]
+    idleless bench precision [--model PATH] [--combos int8,int4,kv=int8,...] [--output r.json]
 
 Quality: the built-in text (``TEXT``, a few hundred tokens) is run through each configuration in
 extends of ``--chunk`` tokens (so later chunks attend to K/V read back from the quantised cache) and,

@@ -1,6 +1,6 @@
 """``idleless bench router``: routing policies side by side over the same engine replicas.
 
-    python -m idleless.bench.router --dp 2 --policies exact,round_robin,cache_aware_approx,power_of_two \\
+    idleless bench router --dp 2 --policies exact,round_robin,cache_aware_approx,power_of_two \\
         --workloads multi-turn,random --kv-cache-memory 24MiB --output-file router.json
 
 Starts ``--dp`` replicas (``idleless serve`` processes with KV events, one thread each unless

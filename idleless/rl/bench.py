@@ -1,6 +1,6 @@
 """Weight-push latency into a running server, by each path (issue 16's benchmark).
 
-    python -m idleless.rl.bench [--model DIR] [--dtype float32] [--repeats 5] [--output result.json]
+    idleless bench rl-update [--model DIR] [--dtype float32] [--repeats 5] [--output result.json]
 
 Starts ``idleless serve`` on the model (default: the bundled SmolLM2-135M-Instruct), loads the same
 checkpoint in this process as the "trainer's" weights, and pushes all of them ``--repeats`` times by
