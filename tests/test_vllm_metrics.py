@@ -199,3 +199,22 @@ def test_speculative_counters_under_both_names_hand_computed():
     plain = ServerMetrics("tiny")
     plain.update_core({"kv": {"total": 10, "free": 10}, "speculative": {}}, True)
     assert "spec" not in plain.render().decode()
+
+
+def test_kv_transfer_counters_follow_the_engines_side():
+    """A decode engine's kv_transfer stats appear as idleless:kv_transfer_* counters (only the keys its
+    side reports); a colocated engine (empty stats) shows none."""
+    m = ServerMetrics("tiny")
+    kvt = {"mode": "decode", "num_pulls": 4, "num_transfers": 3, "num_tokens_received": 300,
+           "bytes_received": 4800, "num_skipped_tokens": 40, "num_fallbacks": 1, "num_errors": 0,
+           "seconds": 0.25, "num_pending": 0, "gb_per_s": 1.9e-5}
+    m.update_core({"kv": {"total": 10, "free": 10}, "kv_transfer": kvt}, True)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    assert fams["idleless:kv_transfer_tokens_received"].samples[0].value == 300
+    assert fams["idleless:kv_transfer_bytes_received"].samples[0].value == 4800
+    assert fams["idleless:kv_transfer_fallbacks"].samples[0].value == 1
+    assert fams["idleless:kv_transfer_seconds"].samples[0].value == 0.25
+    assert "idleless:kv_transfer_bytes_sent" not in fams  # a prefill engine's counter
+    plain = ServerMetrics("tiny")
+    plain.update_core({"kv": {"total": 10, "free": 10}, "kv_transfer": {}}, True)
+    assert not [f for f in text_string_to_metric_families(plain.render().decode()) if "kv_transfer" in f.name]

@@ -16,11 +16,13 @@ Engine-core state (read from the core when /metrics is scraped):
   idleless:kv_tokens{state=total|free|cached|in_use}
   idleless:cache_hit_rate (engine: cached / prompt tokens of finished requests)
   idleless:num_retractions_total, idleless:engine_steps_total
-  idleless:engine_time_seconds_total{bucket=forward|verify|draft|schedule|io|idle_no_work|other},
+  idleless:engine_time_seconds_total{bucket=forward|verify|draft|schedule|kv_transfer|io|idle_no_work|other},
   idleless:busy_fraction
   with speculative decoding: idleless:spec_num_drafts_total, idleless:spec_num_draft_tokens_total,
   idleless:spec_num_accepted_tokens_total, idleless:spec_steps_off_total, idleless:spec_steps_on_total,
   idleless:spec_acceptance_rate, idleless:spec_mean_accepted_length
+  with --disaggregation-mode: idleless:kv_transfer_{pulls,transfers,tokens_received,bytes_received,
+  skipped_tokens,fallbacks,errors,tokens_sent,bytes_sent,seconds}_total (those of the engine's side)
   idleless:evicted_tokens_total, idleless:pinned_tokens, idleless:cache_hit_rate_window,
   idleless:queue_time_seconds_total
   idleless:engine_healthy (1 when the core answered the scrape's stats call)
@@ -130,6 +132,10 @@ class _CoreCollector:
             yield gauge("idleless:spec_mean_accepted_length",
                         "tokens per verify (accepted draft tokens + the target's own) since start",
                         spec.get("mean_accepted_length", 0.0))
+        kvt = s.get("kv_transfer") or {}
+        for name, doc, key in KV_TRANSFER_COUNTERS:
+            if key in kvt:
+                yield counter(name, doc, kvt[key])
 
 
 # (metric name, help, key of EngineCore.stats()["speculative"]); vLLM's names in _VllmNames.SPEC
@@ -140,6 +146,24 @@ SPEC_COUNTERS = (
     ("idleless:spec_steps_off", "steps whose decoding requests got no drafts (the cost model said no)",
      "num_steps_off"),
     ("idleless:spec_steps_on", "steps whose decoding requests got drafts", "num_steps_on"),
+)
+
+
+# (metric name, help, key of EngineCore.stats()["kv_transfer"]): prefill/decode disaggregation; a
+# prefill engine reports pulls served and what it sent, a decode engine what it pulled
+KV_TRANSFER_COUNTERS = (
+    ("idleless:kv_transfer_pulls", "KV pulls (decode: sent; prefill: served)", "num_pulls"),
+    ("idleless:kv_transfer_transfers", "KV pulls that arrived and were imported (decode)", "num_transfers"),
+    ("idleless:kv_transfer_tokens_received", "prompt tokens whose KV was pulled (decode)", "num_tokens_received"),
+    ("idleless:kv_transfer_bytes_received", "KV bytes pulled (decode)", "bytes_received"),
+    ("idleless:kv_transfer_skipped_tokens", "prompt tokens already cached here, not pulled (decode)",
+     "num_skipped_tokens"),
+    ("idleless:kv_transfer_fallbacks", "requests prefilled here after a failed pull (decode)", "num_fallbacks"),
+    ("idleless:kv_transfer_errors", "requests ended by a failed pull (decode)", "num_errors"),
+    ("idleless:kv_transfer_tokens_sent", "prompt tokens whose KV was sent (prefill)", "num_tokens_sent"),
+    ("idleless:kv_transfer_bytes_sent", "KV bytes sent (prefill)", "bytes_sent"),
+    ("idleless:kv_transfer_seconds", "seconds spent pulling (decode: send to import) or serving (prefill)",
+     "seconds"),
 )
 
 
