@@ -111,8 +111,11 @@ def test_chunked_prefill_then_decode_plans():
     out = expected(PROMPT, 3)
     assert got == [(PROMPT[0:4], 0, False), (PROMPT[4:8], 4, False), (PROMPT[8:10], 8, True),
                    ([out[0]], 10, True), ([out[1]], 11, True)]
-    assert plans[5].requests == [] and plans[5].finished_ids == ["a"]  # finished in step 5, told in 6
+    # finished in step 5; an empty plan is not executed, so the runner is told with the next real plan
+    assert plans[5].requests == [] and plans[5].finished_ids == []
     assert core.scheduler.take_outputs()[-1].new_token_ids == out[2:]
+    core.add_request(Request("b", PROMPT, greedy(1)))
+    assert core.scheduler.schedule().finished_ids == ["a"]
 
 
 def test_mixed_step_decode_and_admitted_prefill_share_one_plan():

@@ -79,7 +79,8 @@ class ScheduledRequest:
 @dataclass(frozen=True, eq=False)
 class StepPlan:
     """One step: the scheduled requests in batch order, the requests that finished or were aborted
-    since the last plan (``finished_ids``: a runner holding per-request state drops it), and the ids
+    since the last plan with requests (``finished_ids``: a runner holding per-request state drops it;
+    a plan without requests is not executed, so it carries none), and the ids
     that end generation (``eos_ids``, for the sampler's min_new_tokens rule)."""
 
     requests: list[ScheduledRequest]

@@ -149,7 +149,8 @@ class Scheduler:
         work = self._schedule_running()
         if self.waiting and self._budget > 0:
             work += self._admit()
-        finished, self._finished_ids = self._finished_ids, []
+        # finished ids travel with a plan the runner executes (an empty plan is not executed)
+        finished, self._finished_ids = (self._finished_ids, []) if work else ([], self._finished_ids)
         return StepPlan([self._scheduled(rec, n, extra) for rec, n, extra in work], finished,
                         frozenset(self.eos_ids))
 
