@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="questions per step")
     ap.add_argument("--group-size", type=int, default=8, help="samples per question (GRPO's G)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=8)
