@@ -135,3 +135,13 @@ def test_a_dead_prefill_server_falls_back_to_decode_side_prefill(pd):
     workers = httpx.get(url + "/workers").json()
     assert workers["counters"]["prefill_failed"] + workers["counters"]["prefill_skipped"] >= 1
     assert _kv(d)["num_pending"] == 0
+
+
+def test_a_colocated_server_refuses_kv_transfer_params(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                           "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params" and "--disaggregation-mode" in err["message"]
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "kv_transfer_params": None}
+                     ).status_code == 200

@@ -19,7 +19,7 @@ GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
 ASKING = {
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "use_beam_search": True, "length_penalty": 0.5,
     "bad_words": ["x"], "allowed_token_ids": [1, 2], "truncate_prompt_tokens": 5, "return_tokens_as_token_ids": True,
-    "spaces_between_special_tokens": False, "cache_salt": "s", "kv_transfer_params": {},
+    "spaces_between_special_tokens": False, "cache_salt": "s",
     "vllm_xargs": {}, "logits_processors": ["p"], "return_hidden_states": True, "lora_path": "l",
     "mm_processor_kwargs": {}, "no_stop_trim": True, "custom_logit_processor": "c",
 }

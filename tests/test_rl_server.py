@@ -73,6 +73,8 @@ def test_tensor_and_disk_updates(setup):
     out = generate(srv)
     assert out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == ref["B"]
     assert version(srv) == "v1"
+    assert httpx.get(srv.url + "/get_model_info", timeout=30).json()["weight_version"] == "v1"
+    assert httpx.get(srv.url + "/server_info", timeout=30).json()["weight_version"] == "v1"
     pusher.close()
     assert not [n for n in os.listdir("/dev/shm") if str(os.getpid()) in n and n.startswith("idleless-shm-")]
     pusher = WeightPusher(srv.url, timeout_s=60)

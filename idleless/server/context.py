@@ -130,6 +130,9 @@ class ServerContext:
         """``EngineClient.submit`` (``priority``: higher is admitted first) with its refusals as APIErrors: 400 (RequestError), 503 (overloaded
         or draining, Retry-After 1; engine gone, Retry-After 5)."""
         try:
+            if kv_transfer_params and self.client.config.disaggregation_mode == "null":
+                raise APIError(400, "kv_transfer_params needs a server started with --disaggregation-mode prefill "
+                                    "or decode", param="kv_transfer_params", code="unsupported_parameter")
             return self.client.submit(prompts, params, priority, kv_transfer_params)
         except RequestError as e:
             raise APIError.from_request_error(e, PARAM_NAMES) from None

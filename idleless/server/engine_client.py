@@ -444,8 +444,13 @@ class EngineClient:
         """Empty the engine's prefix cache, pins included; False while requests run or wait."""
         ok = await self.call(FlushCache(), timeout=timeout)
         if ok:
-            self._pins.clear()
+            self.forget_pins()
         return ok
+
+    def forget_pins(self) -> None:
+        """The engine's prefix cache was emptied (a flush, a weight update that flushed it): its pins
+        are gone, so the frontend's account of pinned tokens starts again from zero."""
+        self._pins.clear()
 
     async def pin_prefix(self, input_ids: list[int], ttl_s: float, pin_id: Optional[str] = None,
                          timeout: float = 600.0) -> tuple[str, int]:

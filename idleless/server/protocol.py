@@ -196,7 +196,7 @@ _EXTRAS = {
     "use_beam_search": OFF_BOOL, "length_penalty": (None, 1.0, 1), "bad_words": OFF, "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": OFF_BOOL,
     "spaces_between_special_tokens": (None, True), "cache_salt": (None,),
-    "kv_transfer_params": (None,), "vllm_xargs": (None,), "logits_processors": OFF, "return_hidden_states": OFF_BOOL,
+    "vllm_xargs": (None,), "logits_processors": OFF, "return_hidden_states": OFF_BOOL,
     "lora_path": (None,), "mm_processor_kwargs": (None,), "no_stop_trim": OFF_BOOL, "custom_logit_processor": (None,),
 }
 # known fields that cannot change the output: OpenAI's bookkeeping, vLLM's request id

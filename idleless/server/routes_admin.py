@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from idleless.engine.messages import GetStats
+from idleless.engine.messages import GetStats, GetWeightVersion
 from idleless.engine.request import RequestError
 from idleless.server.context import ServerContext, engine_unavailable
 from idleless.server.engine_client import CallRefused, EngineDeadError
@@ -161,6 +161,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             stats = await client.call(GetStats(), timeout=5.0)
         except Exception:  # noqa: BLE001
             stats = None
+        try:
+            version = await client.call(GetWeightVersion(), timeout=5.0)
+        except Exception:  # noqa: BLE001
+            version = None
         return JSONResponse({
             "model": settings.model_name, "model_path": settings.model_path, "dtype": info.dtype,
             "context_length": info.context_length, "kv_slots": info.kv_slots, "vocab_size": info.vocab_size,
@@ -168,7 +172,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             "num_inflight": client.num_inflight, "engine_pid": info.pid, "load_seconds": info.load_seconds,
             "system_fingerprint": settings.system_fingerprint, "stats": stats,
             "speculative_algorithm": ((stats or {}).get("speculative") or {}).get("algorithm"),
-            **settings.extra_info})
+            "weight_version": version, **settings.extra_info})
 
     @app.get("/v1/loads")
     async def loads():
@@ -183,12 +187,16 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/model_info")
     async def model_info():
         """SGLang's model info: ``model_path``, ``tokenizer_path``, ``is_generation`` (always true),
-        ``preferred_sampling_params`` (none), ``weight_version`` ("default": weights are never
-        updated in place), ``has_image_understanding`` / ``has_audio_understanding`` (false),
+        ``preferred_sampling_params`` (none), ``weight_version`` (the served weights' label: "default"
+        until an update names one; null when the engine core does not answer), ``has_image_understanding`` / ``has_audio_understanding`` (false),
         ``model_type``, ``architectures`` (from the model's config.json)."""
+        try:
+            version = await client.call(GetWeightVersion(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - an engine that does not answer: the rest is still known
+            version = None
         return JSONResponse({
             "model_path": settings.model_path, "tokenizer_path": client.config.tokenizer or settings.model_path,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": version,
             "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": model_config.model_type, "architectures": [model_config.architecture]})
 

@@ -104,7 +104,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     async def call(verb, timeout: float = UPDATE_TIMEOUT_S, param: Optional[str] = None):
         try:
-            return await client.call(verb, timeout=timeout)
+            result = await client.call(verb, timeout=timeout)
+            if isinstance(result, dict) and result.get("flushed_cache"):
+                client.forget_pins()  # the flush took the pins with it
+            return result
         except CallRefused as e:
             raise APIError(400, str(e), param=param, code="invalid_weight_update") from None
         except CallFailed as e:
