@@ -232,24 +232,32 @@ class Router:
         return _error(503, "no healthy worker", "no_healthy_workers")
 
 
-def build_app(router: Router) -> FastAPI:
-    """The FastAPI app around ``router`` (its pool's health loop runs while the app is served)."""
-    pool = router.pool
-    app = FastAPI(title="idleless router", docs_url=None, redoc_url=None, openapi_url=None)
-    if router.settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=router.settings.api_key)
+def proxy_app(title: str, api_key: Optional[str], proxy, models) -> FastAPI:
+    """A FastAPI app with the proxied OpenAI routes: ``await proxy(request, path)`` for chat and
+    completions, ``await models(request)`` for /v1/models; ``api_key`` guards every route but /health."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await router.proxy(request, "/v1/chat/completions")
+        return await proxy(request, "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await router.proxy(request, "/v1/completions")
+        return await proxy(request, "/v1/completions")
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        return await router.models(request)
+    async def v1_models(request: Request):
+        return await models(request)
+
+    return app
+
+
+def build_app(router: Router) -> FastAPI:
+    """The FastAPI app around ``router`` (its pool's health loop runs while the app is served)."""
+    pool = router.pool
+    app = proxy_app("idleless router", router.settings.api_key, router.proxy, router.models)
 
     @app.get("/health")
     async def health():

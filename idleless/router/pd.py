@@ -30,9 +30,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from idleless.router.app import Router, WorkerDied, _error, _until_dead
+from idleless.router.app import Router, WorkerDied, _error, _until_dead, proxy_app
 from idleless.router.metrics import render_metrics
-from idleless.server.asgi import APIKeyMiddleware
 
 log = logging.getLogger("idleless.router")
 
@@ -121,21 +120,7 @@ class PDRouter:
 def build_pd_app(pd: PDRouter) -> FastAPI:
     """The PD router's app: the OpenAI routes through both legs, /health (a decode worker suffices),
     /workers and /metrics over both pools, ``--api-key`` as the plain router."""
-    app = FastAPI(title="idleless PD router", docs_url=None, redoc_url=None, openapi_url=None)
-    if pd.decode.settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=pd.decode.settings.api_key)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await pd.proxy(request, "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await pd.proxy(request, "/v1/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        return await pd.decode.models(request)
+    app = proxy_app("idleless PD router", pd.decode.settings.api_key, pd.proxy, pd.decode.models)
 
     @app.get("/health")
     async def health():
