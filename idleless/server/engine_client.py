@@ -177,15 +177,21 @@ class EngineClient:
 
         Raises FileNotFoundError / ValueError (bad model), RuntimeError (the core failed to start;
         its message and traceback are logged)."""
-        from idleless.model.loader import load_model_config, prepare_model_dir
+        from idleless.model.loader import load_model_config, native_weight_dtype, prepare_model_dir
 
         self = cls(config, metrics)
         try:
             model_dir = await asyncio.to_thread(prepare_model_dir, config.model)
             mc = await asyncio.to_thread(load_model_config, model_dir)
+            # --weight-dtype auto is the checkpoint's own format: decided from the file the user named
+            # (the bundled GGUF: its Q4_1 blocks), before the core gets the converted directory.
+            weight_dtype = config.weight_dtype
+            if weight_dtype == "auto":
+                weight_dtype = await asyncio.to_thread(native_weight_dtype, config.model) or "auto"
             # The frontend admits at most max_inflight requests, so the scheduler's own waiting-queue
             # check (which sees a burst of adds before its first step) is widened to never refuse them.
-            core_config = replace(config, model=model_dir, max_queued_requests=self.max_inflight)
+            core_config = replace(config, model=model_dir, weight_dtype=weight_dtype,
+                                  max_queued_requests=self.max_inflight)
             ctx = multiprocessing.get_context("spawn")
             self.proc = ctx.Process(target=run_engine_core, name="idleless-engine-core", daemon=True,
                                     args=(core_config, self._in_addr, self._out_addr))
