@@ -106,7 +106,10 @@ class ServerProcess:
 # compares with the offline Engine token for token and bf16 CPU matmuls are not batch-invariant;
 # one engine thread because the CI machine has 2 cores and OpenMP threads that share a core with
 # the frontend and the test process slow every step down many times over.
-MAIN_ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1", "--log-level", "warning")
+# The float copy of the bundled weights (not the default native Q4_1): the server tests compare against the
+# offline engine and transformers on the converted float directory.
+MAIN_ARGS = ("--dtype", "float32", "--weight-dtype", "bf16", "--kv-cache-memory", "256MiB", "--num-threads", "1",
+             "--log-level", "warning")
 MAIN_API_KEY = "test-key"
 _SHARED: dict = {}
 

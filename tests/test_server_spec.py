@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": f"Repeat the following passage exactly.\
 
 @pytest.fixture(scope="module")
 def spec_server(smollm2_dir):
-    srv = ServerProcess(["--dtype", "float32", "--kv-cache-memory", "256MiB", "--num-threads", "1",
+    srv = ServerProcess(["--dtype", "float32", "--weight-dtype", "bf16", "--kv-cache-memory", "256MiB", "--num-threads", "1",
                          "--log-level", "warning", "--speculative-algorithm", "ngram"])
     try:
         srv.wait_ready()
