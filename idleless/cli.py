@@ -85,6 +85,13 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": text})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``idleless serve``: run the server until it stops (a module-level function, not a lambda: ``serve
+    --dp N`` hands the parsed flags to spawned replica processes, which pickles them)."""
+    from idleless.server import launch
+    return launch.exit_process(launch.main(args) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``idleless`` parser with its subcommands (each sets ``func`` to its entry point)."""
     parser = argparse.ArgumentParser(prog="idleless", description=__doc__)
@@ -108,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     from idleless.server import launch
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     launch.add_args(s)
-    s.set_defaults(func=lambda a: launch.exit_process(launch.main(a) or 0))
+    s.set_defaults(func=cmd_serve)
 
     from idleless.router import launch as router_launch
     r = sub.add_parser("router", help="cache-aware router in front of engine replicas (loads no model)")

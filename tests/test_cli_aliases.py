@@ -133,3 +133,12 @@ def test_serve_help_lists_the_aliases_with_their_text():
                   "token budget of one step: prefill chunks + decode tokens (default: 8192)",
                   "most draft tokens per request per step (default: 6)"):
         assert piece in text, piece
+
+
+def test_serve_flags_pickle_for_dp_replicas():
+    """`serve --dp N` spawns replica processes with the parsed flags, so they must pickle (a lambda as
+    the subcommand's func made `idleless serve --dp 2` crash at start-up)."""
+    import pickle
+    args = build_parser().parse_args(["serve", "--dp", "2", "--port", "30200"])
+    back = pickle.loads(pickle.dumps(args))
+    assert back.dp == 2 and back.port == 30200 and back.func is args.func

@@ -23,6 +23,7 @@ import copy
 import itertools
 import json
 import logging
+import time
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -30,7 +31,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from idleless.router.app import Router, WorkerDied, _error, _until_dead, proxy_app
+from idleless.router.app import Router, _error, proxy_app
 from idleless.router.metrics import render_metrics
 
 log = logging.getLogger("idleless.router")
@@ -90,10 +91,14 @@ class PDRouter:
         w.prompt_tokens += n
         w.predicted_hit_tokens += cached
         try:
-            resp = await _until_dead(self.prefill.pool.client.post(
-                w.url + path, json=pbody, headers=headers, timeout=self.prefill_timeout_s), w.dead)
+            # No _until_dead here: an unstreamed prefill sends nothing until it is done, so a busy prefill
+            # engine looks lifeless to the health loop; a dead one breaks the connection, and
+            # --prefill-timeout-secs bounds the rest.
+            resp = await self.prefill.pool.client.post(w.url + path, json=pbody, headers=headers,
+                                                       timeout=self.prefill_timeout_s)
+            w.last_progress = time.monotonic()  # an answer is a sign of life
             out = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, WorkerDied, ValueError) as e:
+        except (httpx.HTTPError, ValueError) as e:
             w.errors += 1
             log.warning("prefill leg on %s failed (%s): the decode engine prefills", w.url, type(e).__name__)
             self.counters["prefill_failed"] += 1
