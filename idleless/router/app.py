@@ -43,6 +43,16 @@ _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
 
 
+async def read_json_object(request: Request) -> tuple[bytes, Optional[dict]]:
+    """The request's raw body and its JSON object (None when it is not JSON or not an object)."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw, None
+    return raw, body if isinstance(body, dict) else None
+
+
 class WorkerDied(Exception):
     """The worker serving a request was declared dead."""
 
@@ -120,13 +130,9 @@ class Router:
 
     async def proxy(self, request: Request, path: str) -> Response:
         """Forward a client's POST to ``path``; 400 when the body is not a JSON object."""
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except ValueError as e:
-            return _error(400, f"the body is not a JSON object: {e}", "invalid_json", "invalid_request_error")
+        raw, body = await read_json_object(request)
+        if body is None:
+            return _error(400, "the body is not a JSON object", "invalid_json", "invalid_request_error")
         return await self.forward(raw, body, self._headers(request), path)
 
     async def forward(self, raw: bytes, body: dict, headers: dict, path: str) -> Response:

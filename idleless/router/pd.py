@@ -31,7 +31,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from idleless.router.app import Router, _error, proxy_app
+from idleless.router.app import Router, _error, proxy_app, read_json_object
 from idleless.router.metrics import render_metrics
 
 log = logging.getLogger("idleless.router")
@@ -61,13 +61,9 @@ class PDRouter:
         self.counters = {"prefill_ok": 0, "prefill_failed": 0, "prefill_skipped": 0}
 
     async def proxy(self, request: Request, path: str) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except ValueError as e:
-            return _error(400, f"the body is not a JSON object: {e}", "invalid_json", "invalid_request_error")
+        raw, body = await read_json_object(request)
+        if body is None:
+            return _error(400, "the body is not a JSON object", "invalid_json", "invalid_request_error")
         headers = self.decode._headers(request)
         params = await self._prefill_leg(body, headers, path)
         if params is not None:
