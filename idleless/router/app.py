@@ -151,11 +151,7 @@ class Router:
                 self.oracle_hit_tokens += max(held)
             tried.add(w.url)
             key = next(self._keys)
-            n = len(inp.tokens) if inp.tokens else 0
-            w.begin(key, inp.tokens, max(0, n - cached))
-            w.routed += 1
-            w.predicted_hit_tokens += cached
-            w.prompt_tokens += n
+            w.begin(key, inp.tokens, cached)
             try:
                 req = self.pool.client.build_request("POST", w.url + path, content=raw, headers=headers)
                 resp = await _until_dead(self.pool.client.send(req, stream=True), w.dead)

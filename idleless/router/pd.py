@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import json
 import logging
 import time
@@ -57,7 +56,6 @@ class PDRouter:
         self.prefill = prefill
         self.decode = decode
         self.prefill_timeout_s = prefill_timeout_s
-        self._keys = itertools.count()
         self.counters = {"prefill_ok": 0, "prefill_failed": 0, "prefill_skipped": 0}
 
     async def proxy(self, request: Request, path: str) -> Response:
@@ -80,12 +78,8 @@ class PDRouter:
             return None
         inp = await self.prefill.route_input(pbody)
         w, cached = self.prefill.policy.select(candidates, inp)
-        key = next(self._keys)
-        n = len(inp.tokens) if inp.tokens else 0
-        w.begin(key, inp.tokens, max(0, n - cached))
-        w.routed += 1
-        w.prompt_tokens += n
-        w.predicted_hit_tokens += cached
+        key = next(self.prefill._keys)
+        w.begin(key, inp.tokens, cached)
         try:
             # No _until_dead here: an unstreamed prefill sends nothing until it is done, so a busy prefill
             # engine looks lifeless to the health loop; a dead one breaks the connection, and

@@ -122,9 +122,14 @@ class Worker:
                 best = max(best, _common_prefix(p, tokens))
         return best
 
-    def begin(self, key: int, tokens: Optional[list[int]], uncached: int) -> None:
-        """A request was routed here."""
-        self.requests[key] = [time.time(), uncached, tokens]
+    def begin(self, key: int, tokens: Optional[list[int]], cached: int) -> None:
+        """A request (prompt ``tokens``, None when not tokenized; ``cached`` of them predicted to hit)
+        was routed here: held as in flight under ``key`` and counted (routed, prompt, predicted hit)."""
+        n = len(tokens) if tokens else 0
+        self.requests[key] = [time.time(), max(0, n - cached), tokens]
+        self.routed += 1
+        self.prompt_tokens += n
+        self.predicted_hit_tokens += cached
 
     def started(self, key: int) -> None:
         """Its first byte came back: its prompt is prefilled."""
