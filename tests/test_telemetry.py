@@ -150,7 +150,10 @@ def test_engine_core_loop_buckets(tiny_model):
     for snap in (idle, loaded):
         assert _sum(snap) == pytest.approx(snap["wall"], rel=1e-9)
     assert loaded["wall"] == pytest.approx(t_end - t0, rel=0.01)
-    assert idle["idle_no_work"] / idle["wall"] > 0.9 and idle["busy_fraction"] < 0.05
+    # nothing ran in the idle half second: no forward time at all, and the loop spent it waiting
+    # (a ratio bound here failed on a loaded CI machine, where each 20 ms wake-up's io took ~2 ms)
+    assert idle["forward"] == idle["verify"] == 0.0 and idle["busy_fraction"] == 0.0
+    assert max(BUCKETS, key=lambda b: idle[b]) == "idle_no_work"
     d = _diff(idle, loaded)
     assert d["io"] > 0 and d["forward"] > 0
     assert _busy(d) > 0.25 and _busy(d) > idle["busy_fraction"]
