@@ -172,9 +172,13 @@ class EngineClient:
 
     # -- start / stop --------------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: EngineConfig, metrics=None, startup_timeout: float = 1800.0) -> "EngineClient":
+    async def start(cls, config: EngineConfig, metrics=None, startup_timeout: float = 1800.0,
+                    core_main: Callable[[EngineConfig, str, str], None] = run_engine_core) -> "EngineClient":
         """Resolve the model, spawn the engine core, load the tokenizer meanwhile, wait for CoreReady.
 
+        ``core_main(config, in_addr, out_addr)`` is the core process's entry point (a module-level
+        function, since it is spawned): ``run_engine_core``, or a stand-in speaking the same messages
+        (``idleless.bench.stream_cost`` replays tokens to measure the frontend alone).
         Raises FileNotFoundError / ValueError (bad model), RuntimeError (the core failed to start;
         its message and traceback are logged)."""
         from idleless.model.loader import load_model_config, native_weight_dtype, prepare_model_dir
@@ -193,7 +197,7 @@ class EngineClient:
             core_config = replace(config, model=model_dir, weight_dtype=weight_dtype,
                                   max_queued_requests=self.max_inflight)
             ctx = multiprocessing.get_context("spawn")
-            self.proc = ctx.Process(target=run_engine_core, name="idleless-engine-core", daemon=True,
+            self.proc = ctx.Process(target=core_main, name="idleless-engine-core", daemon=True,
                                     args=(core_config, self._in_addr, self._out_addr))
             self.proc.start()
             tok_task = asyncio.ensure_future(asyncio.to_thread(
@@ -269,23 +273,26 @@ class EngineClient:
 
     async def _read_loop(self) -> None:
         while True:
-            data = await self._pull.recv()
-            self._last_heard = time.monotonic()
+            self._dispatch(await self._pull.recv())
+
+    def _dispatch(self, data: bytes) -> None:
+        """Unpickle one message of the core (a list of outputs and replies) and route each."""
+        self._last_heard = time.monotonic()
+        try:
+            msgs = pickle.loads(data)
+        except Exception:  # noqa: BLE001
+            log.exception("undecodable message from the engine core")
+            return
+        for m in msgs:
             try:
-                msgs = pickle.loads(data)
-            except Exception:  # noqa: BLE001
-                log.exception("undecodable message from the engine core")
-                continue
-            for m in msgs:
-                try:
-                    if isinstance(m, RequestOutput):
-                        self._route(m)
-                    elif isinstance(m, ControlReply):
-                        fut = self._calls.pop(m.call_id, None)
-                        if fut is not None and not fut.done():
-                            fut.set_result(m)
-                except Exception:  # noqa: BLE001 - one bad output must not stop routing
-                    log.exception("error routing %r", m)
+                if isinstance(m, RequestOutput):
+                    self._route(m)
+                elif isinstance(m, ControlReply):
+                    fut = self._calls.pop(m.call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(m)
+            except Exception:  # noqa: BLE001 - one bad output must not stop routing
+                log.exception("error routing %r", m)
 
     def _route(self, out: RequestOutput) -> None:
         tr = self._tracks.get(out.rid)
