@@ -50,11 +50,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                        description=compare_serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     compare_serving.add_args(p)
     p.set_defaults(bench_main=compare_serving.main)
-    from idleless.bench import compare_serving  # issue 15: Idleless vs vLLM-CPU through HTTP, one server at a time
-    p = sub.add_parser("compare-serving", help="idleless serve and vLLM-CPU's server side by side: bench serving and guidellm at each concurrency",
-                       description=compare_serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    compare_serving.add_args(p)
-    p.set_defaults(bench_main=compare_serving.main)
     from idleless.bench import stream_cost  # issue 15 item 4: a streamed token's cost, engine core to client
     p = sub.add_parser("stream-cost", help="CPU per streamed token by stage (serialise, ZMQ, detokenize, SSE, HTTP) "
                        "at N concurrent streams, over a replay engine core", description=stream_cost.__doc__,
