@@ -3,7 +3,7 @@
 The stub (a stdlib HTTP server written to tmp_path and run as a subprocess, like the real servers)
 streams exactly ``max_tokens`` one-character chunks per request and reports usage, so the token
 counts each row must hold are known from the workload file. It logs its start and stop and every
-prefix-cache reset, and can be told to fail at start, never become healthy, or die after N requests.
+prefix-cache reset (refusing the first when told, as vLLM does while blocks are held), and can be told to fail at start, never become healthy, or die after N requests.
 Checked: the JSON's structure, exact counts, the ratios against the rows' own values by hand, that
 two servers never run at once, and that a missing / broken vLLM venv, a server that will not start and
 one that dies mid-way are recorded as skipped with the reason (never a hang). The last test starts a
@@ -64,6 +64,10 @@ class H(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         if self.path == "/flush_cache":
             with lock:
+                if opts.get("refuse_first_reset") and not state.get("refused"):  # as vLLM while blocks are held
+                    state["refused"] = True
+                    event("refused")
+                    return self.reply(200, {"success": False})
                 event("reset", state["max"])
                 state["max"] = 0
             return self.reply(200, {})
@@ -125,7 +129,7 @@ def _events(path: Path) -> list[list[str]]:
 
 def test_two_servers_one_at_a_time(tmp_path, stub, workload):
     a, a_events = stub("idleless")
-    b, b_events = stub("vllm", delay="0.01")
+    b, b_events = stub("vllm", delay="0.01", refuse_first_reset="1")
     opts = cs.Options([workload], [1, 2], run_timeout_s=120.0, request_timeout_s=60.0)
     result = cs.run_comparison([a, b], opts, tmp_path)
     json.dumps(result)  # serializable as is
@@ -146,10 +150,10 @@ def test_two_servers_one_at_a_time(tmp_path, stub, workload):
         assert r["cache_reset"] is True and r["cache_reset_error"] is None
         assert len(r["load_avg_before"]) == 3 and len(r["load_avg_after"]) == 3
     # one reset before each run; the requests in flight between resets never exceed that run's level
-    for ev in (a_events, b_events):
+    for ev, first in ((a_events, []), (b_events, ["refused"])):  # a refused reset is retried
         e = _events(ev)
-        assert [x[0] for x in e] == ["start", "reset", "reset", "stop"]
-        assert int(e[2][1]) <= 1  # the max in flight of the concurrency-1 run
+        assert [x[0] for x in e] == ["start", *first, "reset", "reset", "stop"]
+        assert int(e[-2][1]) <= 1  # the max in flight of the concurrency-1 run
     # the second server started only after the first had stopped
     assert float(_events(a_events)[-1][2]) <= float(_events(b_events)[0][2])
     # ratios: Idleless / vLLM of each metric, by hand from the rows

@@ -211,17 +211,21 @@ def _serving_args(opts: Options, url: str, workload: str, conc: int) -> argparse
 
 
 def reset_prefix_cache(url: str, route: Optional[str], timeout_s: float = 30.0) -> Optional[str]:
-    """POST ``route`` until it answers 200 (a server may refuse while requests finish); None on
-    success, else the reason."""
+    """POST ``route`` until it answers 200 without ``"success": false`` (both servers refuse while
+    requests finish); None on success, else the reason."""
     if not route:
         return "no reset route"
     deadline, last = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         try:
             r = httpx.post(url + route, timeout=10.0)
-            if r.status_code == 200:
+            try:
+                refused = r.json().get("success") is False
+            except (ValueError, AttributeError):
+                refused = False
+            if r.status_code == 200 and not refused:
                 return None
-            last = f"HTTP {r.status_code}"
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
         except httpx.HTTPError as e:
             last = f"{type(e).__name__}: {e}"
         time.sleep(0.2)
