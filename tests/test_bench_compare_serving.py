@@ -3,7 +3,8 @@
 The stub (a stdlib HTTP server written to tmp_path and run as a subprocess, like the real servers)
 streams exactly ``max_tokens`` one-character chunks per request and reports usage, so the token
 counts each row must hold are known from the workload file. It logs its start and stop and every
-prefix-cache reset (refusing the first when told, as vLLM does while blocks are held), and can be told to fail at start, never become healthy, or die after N requests.
+prefix-cache reset (refusing the first when told, as vLLM does while blocks are held), and can be
+told to fail at start, never become healthy, or die after N requests.
 Checked: the JSON's structure, exact counts, the ratios against the rows' own values by hand, that
 two servers never run at once, and that a missing / broken vLLM venv, a server that will not start and
 one that dies mid-way are recorded as skipped with the reason (never a hang). The last test starts a
@@ -131,14 +132,16 @@ def test_two_servers_one_at_a_time(tmp_path, stub, workload):
     a, a_events = stub("idleless")
     b, b_events = stub("vllm", delay="0.01", refuse_first_reset="1")
     opts = cs.Options([workload], [1, 2], run_timeout_s=120.0, request_timeout_s=60.0)
-    result = cs.run_comparison([a, b], opts, tmp_path)
-    json.dumps(result)  # serializable as is
+    saved = []
+    result = cs.run_comparison([a, b], opts, tmp_path, save=lambda r: saved.append(json.loads(json.dumps(r))))
+    assert [len(x["rows"]) for x in saved] == [1, 2, 3, 4, 4]  # after every row, then at the end
+    assert saved[-1] == result
     assert result["cpu"]["model"] and set(result["cpu"]["flags"]) == set(cs.CPU_FLAGS)
     assert all(isinstance(v, bool) for v in result["cpu"]["flags"].values())
     for name in ("idleless", "vllm"):
         s = result["systems"][name]
         assert s["status"] == "ok" and s["reason"] is None and "{port}" not in s["command"]
-        assert len(s["load_avg_before_start"]) == 3
+        assert len(s["load_avg_before_start"]) == 3 and s["server_info"] is None  # the stub has no /server_info
     rows = result["rows"]
     assert [(r["system"], r["concurrency"]) for r in rows] == [("idleless", 1), ("idleless", 2), ("vllm", 1), ("vllm", 2)]
     for r in rows:
@@ -240,6 +243,7 @@ def test_cli_against_idleless_serve(tmp_path, smollm2_dir, workload):
     r = json.loads(out.read_text())
     assert r["model_dir"] == smollm2_dir and r["systems"]["idleless"]["status"] == "ok"
     assert "--kv-cache-memory 64MiB" in r["systems"]["idleless"]["command"]
+    assert r["systems"]["idleless"]["server_info"]["model_path"]
     ok = [x for x in r["rows"] if x["system"] == "idleless"]
     assert len(ok) == 2 and all(x["status"] == "ok" and x["output_tokens"] == sum(MAX_TOKENS) for x in ok)
     assert all(x["status"] == "skipped" for x in r["rows"] if x["system"] == "vllm")

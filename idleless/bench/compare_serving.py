@@ -48,7 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 
@@ -239,6 +239,16 @@ def _first_model(url: str) -> str:
     return data[0]["id"]
 
 
+def server_info(url: str) -> Optional[dict]:
+    """Idleless's ``GET /server_info`` without its ``stats`` (model path, dtype, KV slots...); None
+    from a server without that route."""
+    try:
+        r = httpx.get(url + "/server_info", timeout=30.0)
+        return {k: v for k, v in r.json().items() if k != "stats"} if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
 def warm_up(url: str, timeout_s: float) -> None:
     """One short completion (4 tokens) before any timed run. Raises RuntimeError on failure."""
     try:
@@ -319,16 +329,16 @@ def _runs(opts: Options) -> list[tuple[str, str, int]]:
     return runs
 
 
-def run_system(spec: ServerSpec, opts: Options, log_dir: Path) -> tuple[dict, list[dict]]:
-    """Start ``spec``, put it through every run, stop it. Returns (its record, its rows); never
-    raises for a server that fails or dies (its rows say ``skipped`` and why)."""
+def run_system(spec: ServerSpec, opts: Options, log_dir: Path, emit: Callable[[dict], None]) -> dict:
+    """Start ``spec``, put it through every run, stop it; ``emit`` gets each row as it is done.
+    Returns its record; never raises for a server that fails or dies (its rows say ``skipped`` and
+    why)."""
     from idleless.router.replicas import free_ports
 
     record: dict = {"status": "skipped", "reason": spec.skip_reason, "command": None, "log": None}
-    rows: list[dict] = []
 
     def row(client, workload, conc, **kw):
-        rows.append({"system": spec.name, "client": client, "workload": workload, "concurrency": conc, **kw})
+        emit({"system": spec.name, "client": client, "workload": workload, "concurrency": conc, **kw})
 
     guidellm_reason = None
     if opts.guidellm_venv and not (Path(opts.guidellm_venv) / "bin" / "guidellm").exists():
@@ -336,7 +346,7 @@ def run_system(spec: ServerSpec, opts: Options, log_dir: Path) -> tuple[dict, li
     if spec.skip_reason:
         for c, w, n in _runs(opts):
             row(c, w, n, status="skipped", reason=spec.skip_reason)
-        return record, rows
+        return record
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     argv = [str(port) if a == "{port}" else a for a in spec.argv]
@@ -357,7 +367,7 @@ def run_system(spec: ServerSpec, opts: Options, log_dir: Path) -> tuple[dict, li
             dead = f"did not start: {e}; log tail: {_tail(Path(record['log']))}"
         record["startup_s"] = round(time.monotonic() - t0, 1)
         if dead is None:
-            record.update(status="ok", reason=None)
+            record.update(status="ok", reason=None, server_info=server_info(url))
         for client, workload, conc in _runs(opts):
             if dead is None and procs.procs[0].poll() is not None:
                 dead = f"exited with code {procs.procs[0].returncode}; log tail: {_tail(Path(record['log']))}"
@@ -382,7 +392,7 @@ def run_system(spec: ServerSpec, opts: Options, log_dir: Path) -> tuple[dict, li
         procs.stop()  # SIGTERM, then SIGKILL after 30 s
         for p in started:
             _kill_group(p)  # children left in its group (engine cores, workers)
-    return record, rows
+    return record
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,18 +413,27 @@ def ratios(rows: list[dict], num: str = "idleless", den: str = "vllm") -> list[d
     return out
 
 
-def run_comparison(specs: list[ServerSpec], opts: Options, log_dir: Path) -> dict:
+def run_comparison(specs: list[ServerSpec], opts: Options, log_dir: Path,
+                   save: Optional[Callable[[dict], None]] = None) -> dict:
     """Every system in ``specs``, one after another, through every run; returns the result dict
-    (``systems``, ``rows``, ``ratios`` Idleless / vLLM, the CPU)."""
+    (``systems``, ``rows``, ``ratios`` Idleless / vLLM, the CPU). ``save`` gets the result so far
+    after every row and at the end (a long comparison cut short keeps its finished rows)."""
     result = {"benchmark": "compare-serving", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
               "cpu": cpu_info(), "model_dir": opts.model_dir, "workloads": opts.workloads,
               "concurrency": opts.concurrency, "num_prompts": opts.num_prompts, "log_dir": str(log_dir),
               "systems": {}, "rows": []}
+
+    def emit(row: dict) -> None:
+        result["rows"].append(row)
+        result["ratios"] = ratios(result["rows"])
+        if save:
+            save(result)
     for spec in specs:
-        record, rows = run_system(spec, opts, log_dir)
-        result["systems"][spec.name] = record
-        result["rows"] += rows
+        result["systems"][spec.name] = {"status": "running"}
+        result["systems"][spec.name] = run_system(spec, opts, log_dir, emit)
     result["ratios"] = ratios(result["rows"])
+    if save:
+        save(result)
     return result
 
 
@@ -505,11 +524,13 @@ def main(args: argparse.Namespace) -> int:
         served = "SmolLM2-135M-Instruct" if args.model is None else Path(args.model).stem
         specs.append(vllm_spec(args.vllm_venv, model_dir, dtype, served, args.vllm_max_model_len,
                                args.vllm_gpu_memory_utilization, args.vllm_args, args.vllm_start_timeout))
-    result = run_comparison(specs, opts, log_dir)
-    result["command"] = "idleless " + shlex.join(sys.argv[1:]) if sys.argv[1:3] == ["bench", "compare-serving"] else None
+    command = "idleless " + shlex.join(sys.argv[1:]) if sys.argv[1:3] == ["bench", "compare-serving"] else None
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+    def save(result: dict) -> None:
+        out.write_text(json.dumps({**result, "command": command}, indent=1) + "\n", encoding="utf-8")
+    result = run_comparison(specs, opts, log_dir, save)
     print(format_table(result))
     print(f"wrote {out}")
     mine = [r for r in result["rows"] if r["system"] == "idleless"]
