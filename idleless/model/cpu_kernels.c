@@ -66,6 +66,133 @@ static inline float fast_expf(float x) {
 #define ST_bf16(p, v) (*(p) = f32_to_bf16(v))
 #define RD_bf16(v) bf16_to_f32(f32_to_bf16(v))
 
+/* ---- AVX2 helpers of the glue kernels (rms_norm, rope, silu_mul) ----------------------------------
+ * Each helper does the leading multiple of 8 elements of a row with the same IEEE operations, in the
+ * same order, as the scalar loop that follows it in the kernel (which finishes the row, and is all there
+ * is in a build without AVX2): so AVX2, AVX-512 and portable builds give the same bits. v_exp is
+ * fast_expf lane by lane (the same clamps, reduction, polynomial and scaling, no FMA contraction). */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline __m256 v_ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 v_ld_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __m256i v_bf16_bits(__m256 v) { /* f32_to_bf16 in the high half of each lane */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+static inline void v_st_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void v_st_bf16(uint16_t *p, __m256 v) {
+    __m256i h = _mm256_srli_epi32(v_bf16_bits(v), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+static inline __m256 v_rd_f32(__m256 v) { return v; }
+static inline __m256 v_rd_bf16(__m256 v) { return _mm256_castsi256_ps(v_bf16_bits(v)); }
+static inline __m256 v_exp(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
+    __m256 below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), above = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    __m256 xc = _mm256_blendv_ps(_mm256_blendv_ps(x, hi, above), lo, below);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    const float c[7] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    for (int i = 0; i < 7; i++) p = _mm256_add_ps(_mm256_set1_ps(c[i]), _mm256_mul_ps(f, p));
+    __m256i e = _mm256_max_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), _mm256_set1_epi32(1));
+    __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+    r = _mm256_blendv_ps(r, _mm256_setzero_ps(), below);
+    r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), above);
+    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+/* ss[l] += buf[i + l]^2 over the leading multiple of 16 of h, l < 16 (as rms_norm's scalar lanes) */
+static inline int64_t glue_sumsq(const float *buf, int64_t h, float *ss) {
+    __m256 a = _mm256_loadu_ps(ss), b = _mm256_loadu_ps(ss + 8);
+    int64_t i = 0;
+    for (; i + 16 <= h; i += 16) {
+        __m256 x0 = _mm256_loadu_ps(buf + i), x1 = _mm256_loadu_ps(buf + i + 8);
+        a = _mm256_add_ps(a, _mm256_mul_ps(x0, x0));
+        b = _mm256_add_ps(b, _mm256_mul_ps(x1, x1));
+    }
+    _mm256_storeu_ps(ss, a);
+    _mm256_storeu_ps(ss + 8, b);
+    return i;
+}
+#define DEFINE_GLUE_SIMD(SUF, T)                                                                        \
+/* buf[i] = T(res[i] + x[i]), stored back into res */                                                  \
+static inline int64_t glue_add_##SUF(const T *x, T *res, float *buf, int64_t h) {                      \
+    int64_t i = 0;                                                                                     \
+    for (; i + 8 <= h; i += 8) {                                                                       \
+        __m256 v = v_rd_##SUF(_mm256_add_ps(v_ld_##SUF(res + i), v_ld_##SUF(x + i)));                  \
+        v_st_##SUF(res + i, v);                                                                        \
+        _mm256_storeu_ps(buf + i, v);                                                                  \
+    }                                                                                                  \
+    return i;                                                                                          \
+}                                                                                                      \
+static inline int64_t glue_load_##SUF(const T *x, float *buf, int64_t h) {                             \
+    int64_t i = 0;                                                                                     \
+    for (; i + 8 <= h; i += 8) _mm256_storeu_ps(buf + i, v_ld_##SUF(x + i));                          \
+    return i;                                                                                          \
+}                                                                                                      \
+/* out[i] = T(w[i] * T(buf[i] * inv)) */                                                               \
+static inline int64_t glue_scale_##SUF(const float *buf, const T *w, float inv, T *out, int64_t h) {    \
+    int64_t i = 0;                                                                                     \
+    __m256 vi = _mm256_set1_ps(inv);                                                                   \
+    for (; i + 8 <= h; i += 8)                                                                         \
+        v_st_##SUF(out + i, _mm256_mul_ps(v_ld_##SUF(w + i), v_rd_##SUF(_mm256_mul_ps(_mm256_loadu_ps(buf + i), vi)))); \
+    return i;                                                                                          \
+}                                                                                                      \
+/* dst[i] = T(src[i]) for float32 src (the rope tables) */                                             \
+static inline int64_t glue_round_##SUF(const float *src, float *dst, int64_t n) {                      \
+    int64_t i = 0;                                                                                     \
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, v_rd_##SUF(_mm256_loadu_ps(src + i)));        \
+    return i;                                                                                          \
+}                                                                                                      \
+/* the pairs (i, i + half) of one head: x[i] <- T(x[i] c[i]) + T(-x[i+half] s[i]), x[i+half] <-        \
+ * T(x[i+half] c[i+half]) + T(x[i] s[i+half]), both from the values before the call */                 \
+static inline int64_t glue_rope_##SUF(T *xh, const float *c, const float *s, int64_t half) {           \
+    int64_t i = 0;                                                                                     \
+    const __m256 neg = _mm256_set1_ps(-0.f);                                                           \
+    for (; i + 8 <= half; i += 8) {                                                                    \
+        __m256 a = v_ld_##SUF(xh + i), b = v_ld_##SUF(xh + half + i);                                  \
+        __m256 lo = _mm256_add_ps(v_rd_##SUF(_mm256_mul_ps(a, _mm256_loadu_ps(c + i))),               \
+                                  v_rd_##SUF(_mm256_mul_ps(_mm256_xor_ps(b, neg), _mm256_loadu_ps(s + i)))); \
+        __m256 hi = _mm256_add_ps(v_rd_##SUF(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i))),        \
+                                  v_rd_##SUF(_mm256_mul_ps(a, _mm256_loadu_ps(s + half + i))));        \
+        v_st_##SUF(xh + i, lo);                                                                        \
+        v_st_##SUF(xh + half + i, hi);                                                                 \
+    }                                                                                                  \
+    return i;                                                                                          \
+}                                                                                                      \
+/* o[i] = T(T(g / (1 + exp(-g))) * u) */                                                               \
+static inline int64_t glue_silu_mul_##SUF(const T *g, const T *u, T *o, int64_t m) {                   \
+    int64_t i = 0;                                                                                     \
+    const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);                                \
+    for (; i + 8 <= m; i += 8) {                                                                       \
+        __m256 gv = v_ld_##SUF(g + i);                                                                 \
+        __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, v_exp(_mm256_xor_ps(gv, neg))));              \
+        v_st_##SUF(o + i, _mm256_mul_ps(v_rd_##SUF(sv), v_ld_##SUF(u + i)));                           \
+    }                                                                                                  \
+    return i;                                                                                          \
+}
+#else
+static inline int64_t glue_sumsq(const float *buf, int64_t h, float *ss) { return 0; }
+#define DEFINE_GLUE_SIMD(SUF, T)                                                                        \
+static inline int64_t glue_add_##SUF(const T *x, T *res, float *buf, int64_t h) { return 0; }          \
+static inline int64_t glue_load_##SUF(const T *x, float *buf, int64_t h) { return 0; }                 \
+static inline int64_t glue_scale_##SUF(const float *buf, const T *w, float inv, T *out, int64_t h) { return 0; } \
+static inline int64_t glue_round_##SUF(const float *src, float *dst, int64_t n) { return 0; }          \
+static inline int64_t glue_rope_##SUF(T *xh, const float *c, const float *s, int64_t half) { return 0; } \
+static inline int64_t glue_silu_mul_##SUF(const T *g, const T *u, T *o, int64_t m) { return 0; }
+#endif
+DEFINE_GLUE_SIMD(f32, float)
+DEFINE_GLUE_SIMD(bf16, uint16_t)
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 /* decode_attn for bfloat16 with d a multiple of 32 on AVX512-BF16 CPUs: q.k by VDPBF16PS (bf16 pairs
@@ -174,22 +301,23 @@ void rms_norm_##SUF(const T *x, int64_t x_stride, T *res, int64_t res_stride, co
         float ss[16] = {0};                                                                           \
         if (res) {                                                                                    \
             T *rr = res + r * res_stride;                                                             \
-            for (int64_t i = 0; i < h; i++) {                                                         \
+            for (int64_t i = glue_add_##SUF(xr, rr, buf, h); i < h; i++) {                            \
                 float v = RD_##SUF(LD_##SUF(rr + i) + LD_##SUF(xr + i));                              \
                 ST_##SUF(rr + i, v);                                                                  \
                 buf[i] = v;                                                                           \
             }                                                                                         \
         } else {                                                                                      \
-            for (int64_t i = 0; i < h; i++) buf[i] = LD_##SUF(xr + i);                                \
+            for (int64_t i = glue_load_##SUF(xr, buf, h); i < h; i++) buf[i] = LD_##SUF(xr + i);      \
         }                                                                                             \
-        int64_t i = 0;                                                                                \
+        int64_t i = glue_sumsq(buf, h, ss);                                                           \
         for (; i + 16 <= h; i += 16)                                                                  \
             for (int l = 0; l < 16; l++) ss[l] += buf[i + l] * buf[i + l];                            \
         for (; i < h; i++) ss[0] += buf[i] * buf[i];                                                  \
         float s = 0.f;                                                                                \
         for (int l = 0; l < 16; l++) s += ss[l];                                                      \
         float inv = 1.0f / sqrtf(s / (float)h + eps);                                                 \
-        for (i = 0; i < h; i++) ST_##SUF(outr + i, LD_##SUF(w + i) * RD_##SUF(buf[i] * inv));         \
+        for (i = glue_scale_##SUF(buf, w, inv, outr, h); i < h; i++)                                  \
+            ST_##SUF(outr + i, LD_##SUF(w + i) * RD_##SUF(buf[i] * inv));                             \
     }                                                                                                 \
 }                                                                                                     \
                                                                                                       \
@@ -201,16 +329,17 @@ void rope_##SUF(T *x, int64_t x_stride, const int64_t *pos, const float *cos_t, 
     int64_t half = d / 2;                                                                             \
     _Pragma("omp parallel for if (n * nh * d >= PAR_MIN_WORK)")                                       \
     for (int64_t r = 0; r < n; r++) {                                                                 \
-        float c[d], s[d], v[d];                                                                       \
+        float c[d], s[d];                                                                             \
         const float *cr = cos_t + pos[r] * d, *sr = sin_t + pos[r] * d;                               \
-        for (int64_t i = 0; i < d; i++) { c[i] = RD_##SUF(cr[i]); s[i] = RD_##SUF(sr[i]); }           \
+        for (int64_t i = glue_round_##SUF(cr, c, d); i < d; i++) c[i] = RD_##SUF(cr[i]);              \
+        for (int64_t i = glue_round_##SUF(sr, s, d); i < d; i++) s[i] = RD_##SUF(sr[i]);              \
         for (int64_t hd = 0; hd < nh; hd++) {                                                         \
             T *xh = x + r * x_stride + hd * d;                                                        \
-            for (int64_t i = 0; i < d; i++) v[i] = LD_##SUF(xh + i);                                  \
-            for (int64_t i = 0; i < half; i++)                                                        \
-                ST_##SUF(xh + i, RD_##SUF(v[i] * c[i]) + RD_##SUF(-v[i + half] * s[i]));              \
-            for (int64_t i = half; i < d; i++)                                                        \
-                ST_##SUF(xh + i, RD_##SUF(v[i] * c[i]) + RD_##SUF(v[i - half] * s[i]));               \
+            for (int64_t i = glue_rope_##SUF(xh, c, s, half); i < half; i++) {                        \
+                float a = LD_##SUF(xh + i), b = LD_##SUF(xh + half + i);                              \
+                ST_##SUF(xh + i, RD_##SUF(a * c[i]) + RD_##SUF(-b * s[i]));                           \
+                ST_##SUF(xh + half + i, RD_##SUF(b * c[half + i]) + RD_##SUF(a * s[half + i]));       \
+            }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
 }                                                                                                     \
@@ -222,7 +351,7 @@ void silu_mul_##SUF(const T *gu, T *out, int64_t n, int64_t m) {                
     for (int64_t r = 0; r < n; r++) {                                                                 \
         const T *g = gu + r * 2 * m, *u = g + m;                                                      \
         T *o = out + r * m;                                                                           \
-        for (int64_t i = 0; i < m; i++) {                                                             \
+        for (int64_t i = glue_silu_mul_##SUF(g, u, o, m); i < m; i++) {                               \
             float gv = LD_##SUF(g + i);                                                               \
             ST_##SUF(o + i, RD_##SUF(gv / (1.0f + fast_expf(-gv))) * LD_##SUF(u + i));                     \
         }                                                                                             \

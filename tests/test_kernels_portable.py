@@ -1,0 +1,129 @@
+"""The fused glue and batch-invariant kernels built for this CPU (AVX2 intrinsics where it has them) against
+a portable build of the same source (-march=x86-64: no AVX2, only the scalar loops): both must give the
+same bits, and the portable build must meet the same references as the native one (HF RMSNorm, the eager
+rotation, SiLU against float64), so the scalar path is checked on any machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from idleless.model import cpu_kernels
+from idleless.model.layers import RotaryEmbedding
+
+
+def _builds():
+    """{dtype: (native, portable)} or {} without a C compiler."""
+    native = {dt: cpu_kernels.load(dt) for dt in (torch.float32, torch.bfloat16)}
+    if native[torch.float32] is None:
+        return {}
+    saved = cpu_kernels.CFLAGS
+    cpu_kernels.CFLAGS = [("-march=x86-64" if f.startswith("-march") else f) for f in saved
+                          if not f.startswith("-mprefer")]
+    try:
+        so = cpu_kernels.build_library()
+    finally:
+        cpu_kernels.CFLAGS = saved
+    lib = ctypes.CDLL(str(so))
+    return {dt: (native[dt], cpu_kernels.CpuKernels(lib, dt)) for dt in native}
+
+
+BUILDS = _builds()
+pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler for the CPU kernels")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+# widths around the vector steps (8 lanes, 16 for the sum of squares), and SmolLM2-135M's own
+WIDTHS = [1, 7, 8, 15, 16, 17, 40, 100, 576]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _x(shape, seed, dtype, scale=3.0):
+    """Values spanning many binades, with a zero, a denormal-sized and a huge entry in the first row."""
+    x = torch.randn(*shape, generator=_gen(seed)) * scale
+    flat = x.view(-1)
+    flat[:3] = torch.tensor([0.0, 1e-39, 80.0])[: flat.numel()]
+    return x.to(dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("h", WIDTHS)
+def test_rms_norm_native_equals_portable_and_hf(dtype, h):
+    native, portable = BUILDS[dtype]
+    x = _x((5, h), h, dtype)
+    w = _x((h,), h + 1, dtype, 1.0)
+    res = _x((5, h), h + 2, dtype)
+    outs = [k.rms_norm(x, w, 1e-5) for k in (native, portable)]
+    assert torch.equal(outs[0], outs[1])
+    res_n, res_p = res.clone(), res.clone()
+    with_res = [native.rms_norm(x, w, 1e-5, res_n), portable.rms_norm(x, w, 1e-5, res_p)]
+    assert torch.equal(res_n, res_p) and torch.equal(res_n, res + x)  # the eager add's one rounding
+    assert torch.equal(with_res[0], with_res[1])
+    # the portable build against HF's float32 normalisation, rounded once, times the weight
+    ref = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(outs[1].float(), ref.float(), rtol=tol, atol=1e-6)
+
+
+@DTYPES
+@pytest.mark.parametrize("m", WIDTHS + [1536])
+def test_silu_mul_native_equals_portable_and_float64(dtype, m):
+    native, portable = BUILDS[dtype]
+    gu = _x((4, 2 * m), m, dtype, 5.0)
+    gu.view(-1)[3:6] = torch.tensor([-100.0, 100.0, -30.0]).to(dtype)[: gu.numel() - 3]  # exp's clamps
+    outs = [k.silu_mul(gu) for k in (native, portable)]
+    assert torch.equal(outs[0], outs[1])
+    g, u = gu.double().split(m, dim=-1)
+    silu = g / (1 + torch.exp(-g))
+    if dtype == torch.float32:
+        torch.testing.assert_close(outs[0].double(), silu * u, rtol=1e-6, atol=1e-30)
+    else:  # silu rounded to bfloat16, then the product rounded: two half-steps of 2^-8
+        torch.testing.assert_close(outs[0].double(), silu.to(dtype).double() * u, rtol=2 ** -8, atol=1e-30)
+    if dtype == torch.bfloat16 and m >= 576:  # enough elements for a fraction: PyTorch's bits nearly always
+        assert (outs[0] == F.silu(gu[:, :m]) * gu[:, m:]).float().mean() >= 0.99
+
+
+@DTYPES
+@pytest.mark.parametrize("d", [4, 16, 64, 128])
+def test_rope_native_equals_portable_and_eager(dtype, d):
+    native, portable = BUILDS[dtype]
+    rope = RotaryEmbedding(d, 512, 10000.0, None)
+    qkv = _x((7, 14 * d), d, dtype)
+    pos = torch.tensor([0, 1, 9, 63, 64, 300, 511])
+    x0 = qkv[:, : 12 * d].view(7, 12, d)  # 9 q heads + 3 k heads, strided rows in a fused qkv
+    ref = RotaryEmbedding.apply(x0.clone(), *rope.tables(pos, dtype))
+    got = []
+    for k in (native, portable):
+        buf = qkv.clone()
+        k.rope(buf[:, : 12 * d].view(7, 12, d), pos, rope.cos, rope.sin)
+        assert torch.equal(buf[:, 12 * d:], qkv[:, 12 * d:])
+        got.append(buf[:, : 12 * d].view(7, 12, d))
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], ref)
+
+
+@DTYPES
+def test_chunk_attn_native_equals_portable(dtype):
+    """The batch-invariant attention gives the same bits on both builds (causal tails over cached keys,
+    a short last chunk, a grouped-query layout)."""
+    native, portable = BUILDS[dtype]
+    H, Hkv, D = 9, 3, 64
+    g = _gen(11)
+    kc = torch.randn(400, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(400, Hkv, D, generator=g).to(dtype)
+    q = (torch.randn(50, H, D, generator=g) * 2).to(dtype)
+    slots = torch.cat([torch.randperm(400, generator=g)[:150], torch.arange(200, 300)])
+    key_off = torch.tensor([0, 150, 250])
+    row_off = torch.tensor([0, 20, 50])
+    rows = torch.cat([torch.arange(0, 20), torch.arange(20, 50)])
+    limits = torch.cat([torch.arange(131, 151), torch.arange(71, 101)])
+    outs = []
+    for k in (native, portable):
+        out = torch.empty(50, H, D, dtype=dtype)
+        k.chunk_attn(q, kc, vc, key_off, slots, row_off, rows, limits, D ** -0.5, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
