@@ -21,7 +21,7 @@ Reported per streamed token, in microseconds:
   loop, message handling and the replay itself, which does next to nothing).
 * frontend stages, CPU time of the event-loop thread inside each synchronous call
   (``time.thread_time``, exclusive of the stages nested in it): ``receive + unpickle`` (``EngineClient._dispatch`` less routing), ``route``
-  (``EngineClient._route`` less the request state: metrics, queue put), ``detokenize``
+  (``EngineClient._route`` less the request state: the TTFT/ITL metrics, queue put), ``detokenize``
   (``RequestState.process``: incremental detokenizer, stop strings, the delta), ``SSE format``
   (the route's ``StreamFormat.delta``: chunk model, JSON, ``data:`` line) and ``HTTP write``
   (the ASGI ``send`` of each body chunk: uvicorn's framing and the socket write);
@@ -396,12 +396,15 @@ async def _run(args: argparse.Namespace) -> dict:
     from idleless.server.app import ServerSettings, build_app
     from idleless.server.engine_client import EngineClient
     from idleless.server.launch import _bind
+    from idleless.telemetry.metrics import ServerMetrics
     from idleless.text.output import RequestState
 
     model_dir = await asyncio.to_thread(prepare_model_dir, args.model)
     config = EngineConfig(model=model_dir, max_running_requests=max(args.streams, 1),
                           max_queued_requests=max(args.streams, 1))
-    client = await EngineClient.start(config, core_main=functools.partial(replay_core_main, step_s=args.step_ms / 1e3))
+    metrics = ServerMetrics("replay")  # as idleless serve: the client observes TTFT/ITL per output
+    client = await EngineClient.start(config, metrics,
+                                      core_main=functools.partial(replay_core_main, step_s=args.step_ms / 1e3))
     sock = _bind("127.0.0.1", 0)
     server = serving = None
     timers = StageTimers()
@@ -411,9 +414,9 @@ async def _run(args: argparse.Namespace) -> dict:
         timers.wrap(RequestState, "process", "detokenize")
         timers.wrap(routes_openai.CompletionStream, "delta", "format")
         timers.wrap(routes_openai.ChatStream, "delta", "format")
-        app = timers.asgi(build_app(client, ServerSettings(model_names=["replay"], model_path=model_dir)))
+        app = timers.asgi(build_app(client, ServerSettings(model_names=["replay"], model_path=model_dir), metrics))
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                               log_level="warning"))
+                                               log_level="warning", http=args.http))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if serving.done():
@@ -434,6 +437,7 @@ async def _run(args: argparse.Namespace) -> dict:
             print(f"round {i + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_token"].items())
                   + f" (us/token; {r['chunks']} chunks, {r['errors']} errors, {r['wall_s']:.1f} s)", flush=True)
         return {"streams": args.streams, "max_tokens": args.max_tokens, "step_ms": args.step_ms, "route": args.route,
+                "http": server.config.http_protocol_class.__name__, "loop": args.loop,
                 "prompt_tokens": args.prompt_tokens, "cpu": _cpu_name(), "rounds": rounds,
                 "median_us_per_token": {k: statistics.median(r["us_per_token"][k] for r in rounds)
                                         for k in rounds[0]["us_per_token"]}}
@@ -466,15 +470,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=20.0, help="the replay core's step period (0: as fast as it can)")
     p.add_argument("--route", choices=("completions", "chat"), default="completions")
     p.add_argument("--repeats", type=int, default=3, help="measured rounds (medians reported)")
+    p.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
+                   help="uvicorn's HTTP implementation (auto, as idleless serve: httptools when installed, else h11)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="the frontend's event loop (idleless serve runs asyncio's)")
     p.add_argument("--output", default=None, help="write the result JSON here")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the rounds, print the per-token table (medians), write ``--output``; 1 if a stream failed."""
     logging.basicConfig(level=logging.WARNING)
-    res = asyncio.run(_run(args))
+    if args.loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            res = runner.run(_run(args))
+    else:
+        res = asyncio.run(_run(args))
     med = res["median_us_per_token"]
     print(f"\n{res['streams']} streams x {res['max_tokens']} tokens, step {res['step_ms']} ms, route {res['route']}, "
+          f"http {res['http']}, loop {res['loop']}, "
           f"{res['cpu']}; medians of {len(res['rounds'])} rounds")
     print("| stage | us per streamed token |\n|---|---:|")
     for k, v in med.items():

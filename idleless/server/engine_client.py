@@ -91,6 +91,7 @@ class Submission:
         self.closed = False
         self.errors: dict[int, tuple[Optional[str], Optional[str]]] = {}  # choice index -> (code, param)
         self._pending = len(states)  # choices whose final delta has not been consumed yet
+        self._error: Optional[BaseException] = None  # met by ``ready``; the next ``__anext__`` raises it
 
     @property
     def finished(self) -> bool:
@@ -106,13 +107,32 @@ class Submission:
     async def __anext__(self) -> CompletionDelta:
         if self._pending <= 0:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        if self._error is not None:
+            item, self._error = self._error, None
+        else:
+            item = await self.queue.get()
         if isinstance(item, BaseException):
             self._pending = 0
             raise item
         if item.finish_reason is not None:
             self._pending -= 1
         return item
+
+    def ready(self) -> list[CompletionDelta]:
+        """The deltas already queued, in order, taken without waiting: what ``__anext__`` would
+        return next without suspending (up to an error, which the next ``__anext__`` raises; none
+        once every choice has finished). Lets a stream write a step's deltas, or a backlog, at once."""
+        out: list[CompletionDelta] = []
+        q = self.queue
+        while self._pending > 0 and self._error is None and not q.empty():
+            item = q.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item
+                break
+            if item.finish_reason is not None:
+                self._pending -= 1
+            out.append(item)
+        return out
 
     async def collect(self) -> list[CompletionOutput]:
         """Wait for every choice; returns their CompletionOutputs in choice order."""

@@ -17,10 +17,11 @@ streaming classes therefore agree exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 __all__ = [
     "Tokenizer",
@@ -133,6 +134,7 @@ class Tokenizer:
             eos.add(int(i))
         self.eos_token_ids: set[int] = eos
         self._piece_cache: dict[int, str] = {}
+        self._one_cache: tuple[dict[int, str], dict[int, str]] = ({}, {})  # decode_one, by skip_special_tokens
         self._byte_level, self._byte_fallback, self._metaspace = self._inspect_backend()
 
     # ------------------------------------------------------------------ loading
@@ -238,6 +240,23 @@ class Tokenizer:
             return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
                                clean_up_tokenization_spaces=False)
+
+    def ids_decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """A function ``f(ids) -> decode(ids, skip_special_tokens)`` for a list of Python ints, with
+        nothing between it and the Rust tokenizer when there is one (the incremental detokenizer
+        decodes twice per token; ``decode``'s conversion of every id is most of a short decode)."""
+        if self._backend is not None:
+            return functools.partial(self._backend.decode, skip_special_tokens=skip_special_tokens)
+        return functools.partial(self.decode, skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id], skip_special_tokens)``, cached per id: the text of one token decoded
+        alone (the incremental detokenizer needs it for every token it emits). Raises as ``decode``."""
+        cache = self._one_cache[bool(skip_special_tokens)]
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Ids -> vocabulary pieces (raw, e.g. 'Ġhello' for ByteLevel BPE, '▁hello' for SentencePiece)."""
@@ -409,9 +428,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(ctx)
         self._prefix_text: Optional[str] = None  # cache of decode(ids[prefix:read])
         self.num_output_tokens = 0
+        self._decode = tokenizer.ids_decoder(skip_special_tokens)  # of lists of ints (add converts)
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _window_text(self) -> str:
+        """decode(ids[prefix:read]): the text already emitted of the window. After a step that
+        emitted one id the window holds just that id, whose text alone is cached by the tokenizer."""
+        if self._read_offset - self._prefix_offset == 1:
+            return self.tokenizer.decode_one(self._ids[self._prefix_offset], self.skip_special_tokens)
+        return self._decode(self._ids[self._prefix_offset:self._read_offset])
 
     def _slide(self, to: Optional[int] = None) -> None:
         # Emit ids[read:to] (default: all): drop ids left of the old read offset so memory stays
@@ -444,7 +468,7 @@ class IncrementalDetokenizer:
         self._ids.extend(new_ids)
         self.num_output_tokens += len(new_ids)
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = self._window_text()
         prefix_text = self._prefix_text
         new_text = self._decode(self._ids[self._prefix_offset:])
         if self._complete(new_text, prefix_text):
@@ -467,7 +491,7 @@ class IncrementalDetokenizer:
         if len(self._ids) == self._read_offset:
             return ""
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._prefix_text = self._window_text()
         new_text = self._decode(self._ids[self._prefix_offset:])
         delta = new_text[len(self._prefix_text):]
         self._slide()
