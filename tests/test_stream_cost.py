@@ -201,3 +201,24 @@ def test_bench_stream_cost_replays_text_through_the_real_frontend(smollm2_dir, t
     assert r["chars"] == expected
     assert set(r["us_per_token"]) >= {"core: serialise + send", "receive + unpickle", "route", "detokenize",
                                        "SSE format", "HTTP write", "frontend: process CPU", "other"}
+
+
+def test_dumps_messages_reads_back_with_plain_pickle_as_equal_messages():
+    """Every field of a RequestOutput survives the compact form (against the plain pickle of the
+    same list); subclasses and other messages keep the ordinary pickling."""
+    import pickle
+
+    from idleless.engine.messages import ControlReply, CoreReady, ErrorOutput, dumps_messages
+    from idleless.engine.request import FinishReason, PromptLogprob, RequestOutput
+
+    msgs = [RequestOutput("a", [5, 6], FinishReason.STOP, 6, [-0.5, -0.25], [[(5, -0.5)], [(6, -0.25), (1, -2.0)]],
+                          [None, PromptLogprob(3, -1.0, 2, [(4, -0.5)])], 7, 3, 2, "why", [1, 0]),
+            RequestOutput("b", [9]),
+            ErrorOutput("c", [], FinishReason.ABORT, error="refused", code="invalid_value", param="n"),
+            ControlReply(4, True, {"x": [1, 2]}),
+            CoreReady(1, "/m", "float32", 100, 64, 128, 16, 8, [2], 0.5)]
+    back = pickle.loads(dumps_messages(msgs))
+    assert back == pickle.loads(pickle.dumps(msgs)) == msgs
+    assert [type(m) for m in back] == [type(m) for m in msgs]
+    assert back[0].finish_reason is FinishReason.STOP and isinstance(back[0].prompt_logprobs[1], PromptLogprob)
+    assert len(dumps_messages(msgs[:2] * 32)) < len(pickle.dumps(msgs[:2] * 32, protocol=pickle.HIGHEST_PROTOCOL))

@@ -21,7 +21,8 @@ from idleless.engine.core import EngineCore
 from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, CoreFailed,
                                       ContinueGeneration, CoreReady, DestroyWeightsUpdateGroup, ErrorOutput, FlushCache, GetStats,
                                       GetWeightVersion, InitWeightsUpdateGroup, PauseGeneration, PinPrefix, Ping, Shutdown, UnpinPrefix,
-                                      UpdateWeightsFromDisk, UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
+                                      UpdateWeightsFromDisk, UpdateWeightsFromDistributed, UpdateWeightsFromTensor,
+                                      dumps_messages)
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
 from idleless.rl.control import PendingUpdate, WeightControl
 
@@ -61,7 +62,7 @@ class EngineCoreLoop:
 
     Each turn: drain the inbox (without blocking when there is work; blocking up to
     ``idle_poll_ms`` when idle), handle every message, run one ``EngineCore.step()``, and send
-    everything produced in the turn (RequestOutputs, ControlReplies) as ONE pickled list.
+    everything produced in the turn (RequestOutputs, ControlReplies) as ONE pickled list (``messages.dumps_messages``).
 
     Inbox messages (pickled): AddRequest, AbortRequest, ControlCall. A message that cannot be
     unpickled, or a request the core refuses (RequestError) or fails on, never ends the loop: it is
@@ -312,7 +313,7 @@ class EngineCoreLoop:
     def _flush(self) -> None:
         if self.pending:
             out, self.pending = self.pending, []
-            self.push.send(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+            self.push.send(dumps_messages(out))
 
     def _parent_alive(self) -> bool:
         import multiprocessing

@@ -5,7 +5,7 @@ Frontend -> core:
   ``ControlCall(call_id, verb)``: one control verb, answered by exactly one ``ControlReply`` with the
   same ``call_id``. Each verb is its own frozen dataclass (a ``ControlVerb``); the engine-core loop
   dispatches on its type through one handler table (``core_process.EngineCoreLoop.handlers``).
-Core -> frontend (one pickled list per loop turn):
+Core -> frontend (one pickled list per loop turn, ``dumps_messages``; ``pickle.loads`` reads it):
   ``RequestOutput`` / ``ErrorOutput`` per request, ``ControlReply``, and once at start-up
   ``CoreReady`` or ``CoreFailed``.
 
@@ -17,7 +17,11 @@ plus one entry in the loop's handler table; the frontend sends it with ``EngineC
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copyreg
+import io
+import pickle
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Optional
 
 from idleless.engine.request import Request, RequestOutput
@@ -260,3 +264,32 @@ class CoreFailed:
 
     message: str
     traceback: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# the wire
+# --------------------------------------------------------------------------------------------------
+_OUTPUT_FIELDS = fields(RequestOutput)
+if any(not f.init for f in _OUTPUT_FIELDS):  # the reduction below passes every field to __init__
+    raise TypeError("RequestOutput fields must all be __init__ arguments to be sent as a tuple")
+_output_args = attrgetter(*(f.name for f in _OUTPUT_FIELDS))
+
+
+def _reduce_output(out: RequestOutput) -> tuple:
+    return RequestOutput, _output_args(out)
+
+
+class _MessagePickler(pickle.Pickler):
+    """Pickles a ``RequestOutput`` (exactly that type) as a call of its constructor with its field
+    values in order, instead of class + a dict of field names: a third of the bytes, and about a
+    third of the time to write and to read (the per-token part of a step's message)."""
+
+    dispatch_table = {**copyreg.dispatch_table, RequestOutput: _reduce_output}
+
+
+def dumps_messages(msgs: list) -> bytes:
+    """One core -> frontend message: the list ``msgs`` pickled (highest protocol) so that plain
+    ``pickle.loads`` returns an equal list (each ``RequestOutput`` rebuilt by its constructor)."""
+    buf = io.BytesIO()
+    _MessagePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(msgs)
+    return buf.getvalue()
