@@ -554,6 +554,138 @@ static inline void bi_load_bf16(const uint16_t *w, __m256 *lo, __m256 *hi) {
 #define BI_TILE_COLS_SIMD_bf16
 #endif
 
+/* chunk_attn's inner products on its float32 buffers (kf: a chunk's keys transposed [d][BI_CHUNK], vf: its
+ * values [BI_CHUNK][d], q: nq <= CA_NQ query vectors d apart). Every score and every output element is the
+ * chain the section comment states, whatever the blocking: scores sc[n][j] = fmaf chain over i of
+ * q[n][i] k[j][i] from 0; acl[n][i] = fmaf chain over j < nn of p[n][j] v[j][i] from 0. The AVX2 versions
+ * keep a block of chains in registers (CA_NQ queries x 32 keys, or x 32 output elements: 12 accumulators,
+ * each loaded key or value vector used CA_NQ times); the scalar loops do the same chains one by one. */
+#define CA_NQ 3
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void ca_scores_n(const float *q, int64_t d, const float *kf, float *sc,
+                                                              const int nq) {
+    for (int half = 0; half < BI_CHUNK / 32; half++) {
+        __m256 a[CA_NQ][4];
+        for (int n = 0; n < nq; n++)
+            for (int c = 0; c < 4; c++) a[n][c] = _mm256_setzero_ps();
+        const float *kb = kf + half * 32;
+        for (int64_t i = 0; i < d; i++) {
+            __m256 k0 = _mm256_loadu_ps(kb + i * BI_CHUNK), k1 = _mm256_loadu_ps(kb + i * BI_CHUNK + 8);
+            __m256 k2 = _mm256_loadu_ps(kb + i * BI_CHUNK + 16), k3 = _mm256_loadu_ps(kb + i * BI_CHUNK + 24);
+            for (int n = 0; n < nq; n++) {
+                __m256 qv = _mm256_broadcast_ss(q + n * d + i);
+                a[n][0] = _mm256_fmadd_ps(qv, k0, a[n][0]);
+                a[n][1] = _mm256_fmadd_ps(qv, k1, a[n][1]);
+                a[n][2] = _mm256_fmadd_ps(qv, k2, a[n][2]);
+                a[n][3] = _mm256_fmadd_ps(qv, k3, a[n][3]);
+            }
+        }
+        for (int n = 0; n < nq; n++)
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(sc + n * BI_CHUNK + half * 32 + c * 8, a[n][c]);
+    }
+}
+static void ca_scores(const float *q, int nq, int64_t d, const float *kf, float *sc) {
+    if (nq == 3) ca_scores_n(q, d, kf, sc, 3);
+    else if (nq == 2) ca_scores_n(q, d, kf, sc, 2);
+    else ca_scores_n(q, d, kf, sc, 1);
+}
+/* output elements [i0, i0 + 8 * NV) of nq rows */
+static inline __attribute__((always_inline)) void ca_pv_n(const float *p, int64_t nn, const float *vf, int64_t d,
+                                                          int64_t i0, float *acl, const int nq, const int nv) {
+    __m256 a[CA_NQ][4];
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) a[n][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nn; j++) {
+        __m256 v[4];
+        for (int c = 0; c < nv; c++) v[c] = _mm256_loadu_ps(vf + j * d + i0 + 8 * c);
+        for (int n = 0; n < nq; n++) {
+            __m256 pv = _mm256_broadcast_ss(p + n * BI_CHUNK + j);
+            for (int c = 0; c < nv; c++) a[n][c] = _mm256_fmadd_ps(pv, v[c], a[n][c]);
+        }
+    }
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) _mm256_storeu_ps(acl + n * d + i0 + 8 * c, a[n][c]);
+}
+static void ca_pv(const float *p, int nq, int64_t nn, const float *vf, int64_t d, float *acl) {
+    int64_t i0 = 0;
+    for (; i0 + 32 <= d; i0 += 32) {
+        if (nq == 3) ca_pv_n(p, nn, vf, d, i0, acl, 3, 4);
+        else if (nq == 2) ca_pv_n(p, nn, vf, d, i0, acl, 2, 4);
+        else ca_pv_n(p, nn, vf, d, i0, acl, 1, 4);
+    }
+    for (; i0 + 8 <= d; i0 += 8) ca_pv_n(p, nn, vf, d, i0, acl, nq, 1);
+    for (int n = 0; n < nq; n++)
+        for (int64_t i = i0; i < d; i++) {
+            float s = 0.f;
+            for (int64_t j = 0; j < nn; j++) s = __builtin_fmaf(p[n * BI_CHUNK + j], vf[j * d + i], s);
+            acl[n * d + i] = s;
+        }
+}
+/* One query's chunk: sc[j] <- p_j = exp(s_j * scale - mc) for j < nn and 0 past it; *mc = the max of the
+ * scaled scores (16 lanes, then the lanes in order), *lc = sum p (16 lanes over the chunk in order, then
+ * the lanes in order). */
+static inline void ca_softmax(float *sc, int64_t nn, float scale, float *mc_out, float *lc_out) {
+    const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 m[2] = {ninf, ninf}, l[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t j = 0; j < BI_CHUNK; j += 8) {
+        __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)j)), _mm256_set1_ps((float)nn), _CMP_LT_OQ);
+        __m256 v = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sc + j), vs), live);
+        _mm256_storeu_ps(sc + j, v);
+        m[(j / 8) & 1] = _mm256_max_ps(v, m[(j / 8) & 1]); /* v > m ? v : m, as the scalar loop */
+    }
+    float m16[16], l16[16], mc = -INFINITY, lc = 0.f;
+    _mm256_storeu_ps(m16, m[0]);
+    _mm256_storeu_ps(m16 + 8, m[1]);
+    for (int i = 0; i < 16; i++) mc = m16[i] > mc ? m16[i] : mc;
+    __m256 vm = _mm256_set1_ps(mc);
+    for (int64_t j = 0; j < BI_CHUNK; j += 8) {
+        __m256 e = v_exp(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vm));
+        _mm256_storeu_ps(sc + j, e);
+        l[(j / 8) & 1] = _mm256_add_ps(l[(j / 8) & 1], e);
+    }
+    _mm256_storeu_ps(l16, l[0]);
+    _mm256_storeu_ps(l16 + 8, l[1]);
+    for (int i = 0; i < 16; i++) lc += l16[i];
+    *mc_out = mc;
+    *lc_out = lc;
+}
+#else
+static inline void ca_softmax(float *sc, int64_t nn, float scale, float *mc_out, float *lc_out) {
+    float m16[16], l16[16], mc = -INFINITY, lc = 0.f;
+    for (int l = 0; l < 16; l++) { m16[l] = -INFINITY; l16[l] = 0.f; }
+    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 16)
+        for (int l = 0; l < 16; l++) {
+            float v = j0 + l < nn ? sc[j0 + l] * scale : -INFINITY;
+            sc[j0 + l] = v;
+            m16[l] = v > m16[l] ? v : m16[l];
+        }
+    for (int l = 0; l < 16; l++) mc = m16[l] > mc ? m16[l] : mc;
+    for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = fast_expf(sc[j] - mc);
+    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 16)
+        for (int l = 0; l < 16; l++) l16[l] += sc[j0 + l];
+    for (int l = 0; l < 16; l++) lc += l16[l];
+    *mc_out = mc;
+    *lc_out = lc;
+}
+static void ca_scores(const float *q, int nq, int64_t d, const float *kf, float *sc) {
+    for (int n = 0; n < nq; n++) {
+        float *s = sc + n * BI_CHUNK;
+        for (int64_t j = 0; j < BI_CHUNK; j++) s[j] = 0.f;
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t j = 0; j < BI_CHUNK; j++) s[j] = __builtin_fmaf(q[n * d + i], kf[i * BI_CHUNK + j], s[j]);
+    }
+}
+static void ca_pv(const float *p, int nq, int64_t nn, const float *vf, int64_t d, float *acl) {
+    for (int n = 0; n < nq; n++) {
+        float *a = acl + n * d;
+        for (int64_t i = 0; i < d; i++) a[i] = 0.f;
+        for (int64_t j = 0; j < nn; j++)
+            for (int64_t i = 0; i < d; i++) a[i] = __builtin_fmaf(p[n * BI_CHUNK + j], vf[j * d + i], a[i]);
+    }
+}
+#endif
+
 #define DEFINE_BI_KERNELS(SUF, T)                                                                              \
 /* Pack w [n, k] into bi_linear's layout: ceil(n / BI_PANEL) panels, each [k][BI_PANEL] (the panel's           \
  * columns side by side for every k), zero past column n. wp holds ceil(n / BI_PANEL) * BI_PANEL * k. */       \
@@ -717,48 +849,24 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                 int64_t lim = limits ? limits[e] : nkeys;                                                      \
                 if (lim <= c0) continue;                                                                       \
                 int64_t nn = (lim < c1 ? lim : c1) - c0;                                                       \
-                for (int64_t g = 0; g < grp; g++) {                                                            \
-                    int64_t si = (e - e0) * grp + g;                                                           \
-                    const float *qr = qf + si * d;                                                             \
-                    /* local arrays: the compiler sees they alias nothing and vectorizes (keys side            \
-                     * by side for the scores, the head dimension for p v) */                                  \
-                    float sc[BI_CHUNK], acl[BI_MAX_D];                                                         \
-                    float mc = -INFINITY;                                                                      \
-                    for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = 0.f;                                        \
-                    for (int64_t i = 0; i < d; i++) { /* each score: one fmaf chain over i */                  \
-                        float qi = qr[i];                                                                      \
-                        const float *kt = kf + i * BI_CHUNK;                                                   \
-                        for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = __builtin_fmaf(qi, kt[j], sc[j]);       \
+                for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) { /* up to CA_NQ heads of row e at once */          \
+                    int nq = grp - g0 < CA_NQ ? (int)(grp - g0) : CA_NQ;                                       \
+                    int64_t si0 = (e - e0) * grp + g0;                                                         \
+                    float sc[CA_NQ * BI_CHUNK], acl[CA_NQ * BI_MAX_D], mcs[CA_NQ], lcs[CA_NQ];                 \
+                    ca_scores(qf + si0 * d, nq, d, kf, sc);                                                    \
+                    /* keys past nn get score -inf, hence p = 0, which adds nothing */                         \
+                    for (int n = 0; n < nq; n++) ca_softmax(sc + n * BI_CHUNK, nn, scale, mcs + n, lcs + n);   \
+                    ca_pv(sc, nq, nn, vf, d, acl);                                                             \
+                    for (int n = 0; n < nq; n++) {                                                             \
+                        int64_t si = si0 + n;                                                                  \
+                        const float *ac = acl + n * d;                                                         \
+                        float mc = mcs[n], lc = lcs[n], mo = mx[si], mn = mo > mc ? mo : mc;                   \
+                        float a = fast_expf(mo - mn), b = fast_expf(mc - mn);                                  \
+                        sm[si] = sm[si] * a + lc * b;                                                          \
+                        float *ar = acc + si * d;                                                              \
+                        for (int64_t i = 0; i < d; i++) ar[i] = ar[i] * a + ac[i] * b;                         \
+                        mx[si] = mn;                                                                           \
                     }                                                                                          \
-                    /* max in 16 lanes (exact in any order), sum in 16 lanes then the lanes in order;          \
-                     * keys past nn get score -inf, hence p = 0, which adds nothing */                         \
-                    float m16[16], l16[16];                                                                    \
-                    for (int l = 0; l < 16; l++) { m16[l] = -INFINITY; l16[l] = 0.f; }                         \
-                    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 16)                                              \
-                        for (int l = 0; l < 16; l++) {                                                         \
-                            float v = j0 + l < nn ? sc[j0 + l] * scale : -INFINITY;                            \
-                            sc[j0 + l] = v;                                                                    \
-                            m16[l] = v > m16[l] ? v : m16[l];                                                  \
-                        }                                                                                      \
-                    for (int l = 0; l < 16; l++) mc = m16[l] > mc ? m16[l] : mc;                               \
-                    for (int64_t j = 0; j < BI_CHUNK; j++) sc[j] = fast_expf(sc[j] - mc);                      \
-                    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 16)                                              \
-                        for (int l = 0; l < 16; l++) l16[l] += sc[j0 + l];                                     \
-                    float lc = 0.f;                                                                            \
-                    for (int l = 0; l < 16; l++) lc += l16[l];                                                 \
-                    for (int64_t i = 0; i < d; i++) acl[i] = 0.f;                                              \
-                    for (int64_t j = 0; j < nn; j++) {                                                         \
-                        float pj = sc[j];                                                                      \
-                        const float *vr = vf + j * d;                                                          \
-                        for (int64_t i = 0; i < d; i++) acl[i] = __builtin_fmaf(pj, vr[i], acl[i]);            \
-                    }                                                                                          \
-                    const float *ac = acl;                                                                     \
-                    float mo = mx[si], mn = mo > mc ? mo : mc;                                                 \
-                    float a = fast_expf(mo - mn), b = fast_expf(mc - mn);                                      \
-                    sm[si] = sm[si] * a + lc * b;                                                              \
-                    float *ar = acc + si * d;                                                                  \
-                    for (int64_t i = 0; i < d; i++) ar[i] = ar[i] * a + ac[i] * b;                             \
-                    mx[si] = mn;                                                                               \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
