@@ -686,6 +686,62 @@ static void ca_pv(const float *p, int nq, int64_t nn, const float *vf, int64_t d
 }
 #endif
 
+/* Gather n keys (rows k_cache + sl[j] * tok + off, j < n <= BI_CHUNK) transposed into kf [d][BI_CHUNK] and
+ * their values into vf [BI_CHUNK][d], as float32: a copy, the same values in any build; AVX2 moves 8 keys
+ * x 8 dims at a time through an 8 x 8 transpose. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void transpose8_ps(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#define CA_GATHER_SIMD(SUF, T)                                                                          \
+    for (; j + 8 <= n; j += 8) {                                                                        \
+        const T *kr[8];                                                                                 \
+        for (int r = 0; r < 8; r++) kr[r] = k_cache + sl[j + r] * tok + off;                            \
+        int64_t i = 0;                                                                                  \
+        for (; i + 8 <= d; i += 8) {                                                                    \
+            __m256 x[8];                                                                                \
+            for (int r = 0; r < 8; r++) x[r] = v_ld_##SUF(kr[r] + i);                                   \
+            transpose8_ps(x);                                                                           \
+            for (int r = 0; r < 8; r++) _mm256_storeu_ps(kf + (i + r) * BI_CHUNK + j, x[r]);            \
+        }                                                                                               \
+        for (; i < d; i++)                                                                              \
+            for (int r = 0; r < 8; r++) kf[i * BI_CHUNK + j + r] = LD_##SUF(kr[r] + i);                 \
+        for (int r = 0; r < 8; r++) {                                                                   \
+            const T *vr = v_cache + sl[j + r] * tok + off;                                              \
+            float *vo = vf + (j + r) * d;                                                               \
+            for (i = glue_load_##SUF(vr, vo, d); i < d; i++) vo[i] = LD_##SUF(vr + i);                  \
+        }                                                                                               \
+    }
+#else
+#define CA_GATHER_SIMD(SUF, T)
+#endif
+#define DEFINE_CA_GATHER(SUF, T)                                                                        \
+static inline void ca_gather_##SUF(const T *k_cache, const T *v_cache, const int64_t *sl, int64_t n,     \
+                                   int64_t tok, int64_t off, int64_t d, float *kf, float *vf) {          \
+    int64_t j = 0;                                                                                      \
+    CA_GATHER_SIMD(SUF, T)                                                                              \
+    for (; j < n; j++) {                                                                                \
+        const T *kr = k_cache + sl[j] * tok + off, *vr = v_cache + sl[j] * tok + off;                   \
+        for (int64_t i = 0; i < d; i++) { kf[i * BI_CHUNK + j] = LD_##SUF(kr + i); vf[j * d + i] = LD_##SUF(vr + i); } \
+    }                                                                                                   \
+}
+DEFINE_CA_GATHER(f32, float)
+DEFINE_CA_GATHER(bf16, uint16_t)
+
 #define DEFINE_BI_KERNELS(SUF, T)                                                                              \
 /* Pack w [n, k] into bi_linear's layout: ceil(n / BI_PANEL) panels, each [k][BI_PANEL] (the panel's           \
  * columns side by side for every k), zero past column n. wp holds ceil(n / BI_PANEL) * BI_PANEL * k. */       \
@@ -841,10 +897,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
             int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                      \
             if (c1 - c0 < BI_CHUNK) /* a short last chunk: scores past it are computed and ignored */          \
                 for (int64_t i = 0; i < d; i++) for (int64_t j = c1 - c0; j < BI_CHUNK; j++) kf[i * BI_CHUNK + j] = 0.f; \
-            for (int64_t j = c0; j < c1; j++) { /* K transposed ([d][BI_CHUNK]), V as rows */                  \
-                const T *kr = k_cache + (sl[j] * nkv + kh) * d, *vr = v_cache + (sl[j] * nkv + kh) * d;        \
-                for (int64_t i = 0; i < d; i++) { kf[i * BI_CHUNK + j - c0] = LD_##SUF(kr + i); vf[(j - c0) * d + i] = LD_##SUF(vr + i); } \
-            }                                                                                                  \
+            ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);                   \
             for (int64_t e = e0; e < e1; e++) {                                                                \
                 int64_t lim = limits ? limits[e] : nkeys;                                                      \
                 if (lim <= c0) continue;                                                                       \
