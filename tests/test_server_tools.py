@@ -111,9 +111,13 @@ def test_auto_is_read_by_the_parser(http):
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "18 C"}]}, "messages[2].tool_call_id"),
 ])
 def test_bad_tool_specs_are_400s(http, body, param):
-    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body})
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body})  # body may replace messages
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err

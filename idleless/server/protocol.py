@@ -517,7 +517,12 @@ class _ChatTemplateFields(_Lenient):
     def template_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``Tokenizer.apply_chat_template`` for these messages. APIError(400)
         for continue_final_message with add_generation_prompt or without a final assistant message,
-        and for chat_template_kwargs that name apply_chat_template's own arguments."""
+        and for chat_template_kwargs that name apply_chat_template's own arguments, and for a ``tool``
+        message without ``tool_call_id`` (as OpenAI)."""
+        for i, m in enumerate(self.messages or ()):
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(400, f"messages[{i}] has role 'tool' but no tool_call_id (the id of the call it "
+                               "answers)", param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
         agp = self.add_generation_prompt is not False
         if self.continue_final_message and (agp or not self.messages or self.messages[-1].role != "assistant"):
             raise APIError(400, "continue_final_message needs add_generation_prompt=false and a final "
@@ -563,12 +568,17 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
         """How the reply may call tools: (``none`` | ``auto`` | ``required`` | ``named``, the named
         tool's dict or None). No tools (or an empty list) is ``none``; ``tool_choice`` defaults to
         ``auto`` with tools, as OpenAI's. APIError(400) for a choice naming no listed tool, ``required``
-        without tools, or a tool whose parameters are not a valid JSON schema."""
+        without tools, two tools of one name, or a tool whose parameters are not a valid JSON schema."""
         from idleless.server import constraints as c
 
         tools = self.tools or []
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        seen: set[str] = set()
         for i, t in enumerate(tools):
+            if t.function.name in seen:  # a call could not say which of the two it means
+                raise APIError(400, f"tools[{i}] repeats the function name {t.function.name!r}",
+                               param=f"tools[{i}].function.name", code="invalid_value")
+            seen.add(t.function.name)
             if t.function.parameters is not None:
                 c.make("json_schema", t.function.parameters, f"tools[{i}].function.parameters")
         if isinstance(choice, dict):
