@@ -1,6 +1,7 @@
 """``idleless bench stream-cost``: what one streamed token costs between the engine core and the client.
 
-    idleless bench stream-cost [--streams 64] [--max-tokens 256] [--step-ms 20] [--repeats 3] [--route completions]
+    idleless bench stream-cost [--streams 64] [--max-tokens 256] [--step-ms 20] [--repeats 3] [--route completions|chat]
+                               [--http auto|h11|httptools] [--loop asyncio|uvloop] [--output result.json]
 
 Isolates the frontend path of a streamed token (issue 15, item 4): a replay engine core
 (``ReplayCore`` under the real ``EngineCoreLoop``, so the real serialisation and ZMQ send) answers
@@ -20,14 +21,17 @@ Reported per streamed token, in microseconds:
   time inside it; ``core: process CPU`` the whole replay core process (``time.process_time``: its
   loop, message handling and the replay itself, which does next to nothing).
 * frontend stages, CPU time of the event-loop thread inside each synchronous call
-  (``time.thread_time``, exclusive of the stages nested in it): ``receive + unpickle`` (``EngineClient._dispatch`` less routing), ``route``
-  (``EngineClient._route`` less the request state: the TTFT/ITL metrics, queue put), ``detokenize``
+  (``time.thread_time``, exclusive of the stages nested in it): ``receive + unpickle``
+  (``EngineClient._dispatch`` less routing), ``route`` (``EngineClient._route`` less the request
+  state: the TTFT/ITL metrics, queue put), ``detokenize``
   (``RequestState.process``: incremental detokenizer, stop strings, the delta), ``SSE format``
   (the route's ``StreamFormat.delta``: chunk model, JSON, ``data:`` line) and ``HTTP write``
   (the ASGI ``send`` of each body chunk: uvicorn's framing and the socket write);
 * ``frontend: process CPU``: this whole process's CPU (``time.process_time``, all threads, the
   ZMQ I/O thread included) over the streaming window, and ``other`` what the stages above do not
-  cover (the asyncio loop and its wake-ups, the SSE generator, ZMQ's receive, request handling);
+  cover (the asyncio loop and its wake-ups, the SSE generator, ZMQ's receive, and each request's
+  own work — connection, parsing, routing, validation, submission — spread over its tokens: run
+  with ``--max-tokens 1`` to see that part alone);
   ``timer overhead`` is the stage clocks' own cost (two readings per timed call), counted apart.
 
 CPU times do not count time the process waits for a core, but a loaded machine still slows them
@@ -50,7 +54,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +467,8 @@ def _cpu_name() -> str:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The ``idleless bench stream-cost`` flags."""
-    p.add_argument("--model", default=None, help="model directory or GGUF whose tokenizer is used (default: bundled SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="model directory or GGUF whose tokenizer is used (default: the bundled SmolLM2)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streaming requests")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens streamed per request")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (the replayed text)")
