@@ -368,8 +368,8 @@ def run_system(spec: ServerSpec, opts: Options, log_dir: Path, emit: Callable[[d
     if opts.guidellm_venv and not (Path(opts.guidellm_venv) / "bin" / "guidellm").exists():
         guidellm_reason = f"no {Path(opts.guidellm_venv) / 'bin' / 'guidellm'}"
     if spec.skip_reason:
-        for c, w, n in _runs(opts):
-            row(c, w, n, status="skipped", reason=spec.skip_reason)
+        for client, workload, conc in _runs(opts):
+            row(client, workload, conc, status="skipped", reason=spec.skip_reason)
         return record
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
