@@ -16,12 +16,17 @@ Each step:
   4. the new weights are pushed into the server by a torch.distributed broadcast (gloo) from this
      process (``idleless.rl.trainer.WeightPusher``), version ``step-N``.
 
+The trainer's logprobs are aligned with the engine's (``idleless.rl.aligned``): the rollouts are
+re-scored by one lone forward with the engine's deterministic kernels on the trainer's current weights
+(``SequenceScorer``), and the loss is evaluated on those values, with the gradient of transformers'
+autograd forward (``--no-alignment-check``: train on transformers' values, no re-score).
+
 Logged every step (JSONL, then a PNG of the curves): mean reward, KL to the initial policy, rollout
-seconds and tokens/s, train seconds, weight-push seconds, and the train/rollout logprob mismatch two
-ways: ``mismatch_train`` = max |trainer's autograd forward - engine| (transformers' eager kernels, not
-the engine's: small but not 0), and ``mismatch_engine_kernels`` = max |``SequenceScorer`` - engine|,
-the same tokens re-scored by one lone forward with the engine's deterministic kernels and the pushed
-weights (0 exactly: the rollouts are reproducible by the trainer bit for bit).
+seconds and tokens/s, train seconds, weight-push seconds, and the train/rollout logprob mismatch:
+``mismatch_train`` = max |the logprobs the loss used - engine| (0 exactly when aligned),
+``mismatch_autograd`` = max |transformers' autograd forward - engine| (its eager kernels: small, not 0),
+``mismatch_engine_kernels`` = max |``SequenceScorer`` - engine| (0 exactly: the rollouts are
+reproducible by the trainer bit for bit).
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ def main(argv=None) -> int:
     from idleless.config import EngineConfig
     from idleless.model.loader import prepare_model_dir
     from idleless.model.runner import ModelRunner
+    from idleless.rl.aligned import aligned_logprobs
     from idleless.rl.scoring import SequenceScorer, max_abs_diff
     from idleless.rl.trainer import WeightPusher, free_port, start_server
     from idleless.text.tokenizer import Tokenizer
@@ -199,26 +205,30 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             mismatch_engine = 0.0
             pairs = [(p, s["ids"]) for p, s in seqs]
+            kernel_lp = None
             if aligned is not None:  # the pushed weights (this step's rollouts') in the engine's own kernels
-                mismatch_engine = max(max_abs_diff(lp.tolist(), s["logprobs"])
-                                      for lp, (_, s) in zip(aligned.score(pairs), seqs))
+                kernel_lp = [lp.tolist() for lp in aligned.score(pairs)]
+                mismatch_engine = max(max_abs_diff(lp, s["logprobs"]) for lp, (_, s) in zip(kernel_lp, seqs))
             ref_lp = [lp.tolist() for lp in reference.score(pairs)]
             score_s = time.perf_counter() - t0
 
             t0 = time.perf_counter()
             opt.zero_grad()
-            kl_sum, mismatch_train, n_seq = 0.0, 0.0, len(seqs)
+            kl_sum, mismatch_train, mismatch_autograd, n_seq = 0.0, 0.0, 0.0, len(seqs)
             for a in range(0, n_seq, args.micro_batch):
                 part = seqs[a:a + args.micro_batch]
                 ids, att, comp = batch_tensors([(p, s["ids"]) for p, s in part])
                 offsets = [len(p) - 1 for p, _ in part]
                 old = pad_rows([s["logprobs"] for _, s in part], offsets, comp.shape[1])
                 ref = pad_rows(ref_lp[a:a + args.micro_batch], offsets, comp.shape[1])
-                logp = token_logprobs(policy, ids, att)
+                eager = token_logprobs(policy, ids, att)
+                logp = eager if kernel_lp is None else \
+                    aligned_logprobs(eager, pad_rows(kernel_lp[a:a + args.micro_batch], offsets, comp.shape[1]), comp)
                 loss, kl = grpo_loss(logp, old, ref, adv[a:a + len(part)], comp, args.clip, args.beta)
                 (loss * len(part) / n_seq).backward()
                 kl_sum += float(kl) * len(part)
                 mismatch_train = max(mismatch_train, float(((logp.detach() - old).abs() * comp).max()))
+                mismatch_autograd = max(mismatch_autograd, float(((eager.detach() - old).abs() * comp).max()))
             opt.step()
             train_s = time.perf_counter() - t0
 
@@ -230,7 +240,8 @@ def main(argv=None) -> int:
             rec = {"step": step, "reward": float(rewards.mean()), "kl": kl_sum / n_seq,
                    "rollout_s": rollout_s, "rollout_tokens_per_s": gen_tokens / rollout_s, "train_s": train_s,
                    "score_s": score_s, "push_s": push_s, "engine_write_s": pushed["seconds"],
-                   "mismatch_train": mismatch_train, "mismatch_engine_kernels": mismatch_engine,
+                   "mismatch_train": mismatch_train, "mismatch_autograd": mismatch_autograd,
+                   "mismatch_engine_kernels": mismatch_engine,
                    "weight_version": pushed["weight_version"]}
             records.append(rec)
             with open(log_path, "a") as f:
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Reward, KL, the two logprob mismatches and the per-step seconds, one panel each, into ``path``."""
+    """Reward, KL, the logprob mismatches and the per-step seconds, one panel each, into ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -258,7 +269,9 @@ def plot(records: list[dict], path: str) -> None:
     ax[0, 0].set_title("mean reward")
     ax[0, 1].plot(steps, [r["kl"] for r in records], marker="o")
     ax[0, 1].set_title("KL to the initial policy (k3, per token)")
-    ax[1, 0].plot(steps, [r["mismatch_train"] for r in records], marker="o", label="trainer (transformers) vs engine")
+    ax[1, 0].plot(steps, [r["mismatch_autograd"] for r in records], marker="o",
+                  label="transformers' autograd forward vs engine")
+    ax[1, 0].plot(steps, [r["mismatch_train"] for r in records], marker="s", label="the loss's logprobs vs engine")
     ax[1, 0].plot(steps, [r["mismatch_engine_kernels"] for r in records], marker="x",
                   label="engine kernels re-score vs engine")
     ax[1, 0].set_title("max |train logprob - rollout logprob|")

@@ -72,4 +72,24 @@ def test_one_step_end_to_end(tmp_path, smollm2_dir):
     recs = [json.loads(line) for line in open(out + ".jsonl")]
     assert [r["step"] for r in recs] == [1, 2] and [r["weight_version"] for r in recs] == ["step-1", "step-2"]
     assert all(r["mismatch_engine_kernels"] == 0.0 for r in recs)
+    assert all(r["mismatch_train"] == 0.0 for r in recs)  # the loss used the rollout's logprobs, bit for bit
+    assert all(r["mismatch_autograd"] >= 0.0 for r in recs)  # logged (0 on this tiny model, not on SmolLM2)
     assert os.path.getsize(out + ".png") > 0
+
+
+def test_aligned_logprobs_take_the_engine_values_and_the_autograd_gradient():
+    from idleless.rl.aligned import aligned_logprobs
+    w = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64, requires_grad=True)
+    x = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 4.0]], dtype=torch.float64)
+    eager = torch.log_softmax(x * w, -1)  # [2, 3]
+    engine = eager.detach() + torch.tensor([[1e-7, -2e-7, 0.0], [3e-7, 0.0, -1e-7]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    out = aligned_logprobs(eager, engine, mask)
+    want = torch.where(mask.bool(), engine, eager.detach())
+    assert torch.equal(out.detach(), want)  # the engine's bits where masked, the trainer's elsewhere
+    coef = torch.tensor([[0.7, -0.2, 1.1], [0.4, 0.9, -1.3]], dtype=torch.float64)
+    (g_aligned,) = torch.autograd.grad((coef * out).sum(), w)
+    (g_eager,) = torch.autograd.grad((coef * torch.log_softmax(x * w, -1)).sum(), w)
+    assert torch.equal(g_aligned, g_eager)
+    with pytest.raises(ValueError):
+        aligned_logprobs(eager, engine[:, :2], mask)
