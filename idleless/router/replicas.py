@@ -115,17 +115,24 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
     from idleless.router import launch as router_launch
 
     dp = args.dp
-    procs, urls = start_replicas(args, dp)
+    start, ready, stop = start_replicas, wait_ready, stop_replicas
+    on_ray = bool(getattr(args, "ray_address", None))
+    if on_ray:  # Ray actors across the cluster's nodes, keeping --api-key (idleless.router.ray_replicas)
+        from idleless.router import ray_replicas
+        start, ready, stop = ray_replicas.start_replicas, ray_replicas.wait_ready, ray_replicas.stop_replicas
+    procs, urls = start(args, dp)
     code = 0
     try:
-        wait_ready(procs, urls, ready_timeout_s)
-        log.info("%d replicas ready (%d threads each): %s", dp, replica_args(args, dp, 0, 0, 0).num_threads,
-                 " ".join(urls))
+        ready(procs, urls, ready_timeout_s)
+        log.info("%d replicas ready (%d threads each): %s", dp,
+                 procs.threads if on_ray else replica_args(args, dp, 0, 0, 0).num_threads, " ".join(urls))
         parser = argparse.ArgumentParser()
         router_launch.add_args(parser)
         rargs = parser.parse_args(["--worker-urls", *urls, "--host", args.host, "--port", str(args.port),
                                    "--policy", args.router_policy, "--log-level", str(args.log_level)])
         rargs.api_key = args.api_key
+        if on_ray:
+            rargs.worker_api_key = args.api_key
         if args.chat_template:
             rargs.chat_template = args.chat_template
         asyncio.run(router_launch.serve(rargs))
@@ -135,5 +142,5 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
     except KeyboardInterrupt:
         pass
     finally:
-        stop_replicas(procs, args.shutdown_grace)
+        stop(procs, args.shutdown_grace)
     return code

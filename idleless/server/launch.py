@@ -59,6 +59,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-policy", default="exact",
                         choices=("round_robin", "power_of_two", "cache_aware_approx", "exact"),
                         help="with --dp: the router's policy (default exact)")
+    parser.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                        help="with --dp: place the replicas as Ray actors across this Ray cluster's nodes (SPREAD), "
+                             "the router here; needs the extra idleless[ray] (idleless.router.ray_replicas)")
 
 
 def served_model_names(config: EngineConfig) -> list[str]:
