@@ -43,6 +43,7 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(tmp_path, smollm2_dir, dtyp
     for prompt, pair in zip(PROMPTS, outs):
         for o in pair:
             assert len(o.token_ids) == 24 and len(o.logprobs) == 24
+            assert o.weight_versions == ["step-1"] * 24
             mine = scorer.logprobs(prompt, o.token_ids)
             assert torch.equal(mine, torch.tensor(o.logprobs, dtype=torch.float32))
             assert max_abs_diff(mine.tolist(), o.logprobs) == 0.0

@@ -130,7 +130,29 @@ def test_a_streaming_request_finishes_on_the_old_weights_or_is_aborted(setup):
             assert reason == "abort" and res["num_aborted_requests"] == 1 and len(ids) < n
         else:
             assert reason == "length" and len(ids) == n and ids[:MAX_NEW] == ref["A"]
+            versions = [v for d in out for v in d["meta_info"]["output_token_weight_versions"]]
+            assert len(versions) == n and set(versions) == {out[0]["meta_info"]["weight_version"]}  # old weights
     assert generate(srv)["output_ids"] == ref["A"]
+
+
+def test_a_rollout_spanning_an_update_says_which_tokens_came_from_which_weights(setup):
+    srv, a, b, ref = setup
+    pusher = WeightPusher(srv.url, timeout_s=120)
+    old = version(srv)
+    n, out, started = 400, [], threading.Event()
+    t = threading.Thread(target=stream, args=(srv, n, out, started))
+    t.start()
+    assert started.wait(120)
+    pusher.push_disk(a, weight_version="rollout-v2", flush_cache=False)  # written between two steps, at once
+    t.join(300)
+    versions = [v for d in out for v in d["meta_info"]["output_token_weight_versions"]]
+    ids = [i for d in out for i in d["output_ids"]]
+    assert len(versions) == len(ids) == n
+    k = versions.index("rollout-v2")
+    assert 0 < k < n and versions == [old] * k + ["rollout-v2"] * (n - k), (k, set(versions))
+    assert out[-1]["meta_info"]["weight_version"] == "rollout-v2"
+    whole = generate(srv)
+    assert set(whole["meta_info"]["output_token_weight_versions"]) == {"rollout-v2"}
 
 
 def die_mid_broadcast(url: str, port: int, path: str) -> None:

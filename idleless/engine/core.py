@@ -28,6 +28,9 @@ PinDone = Callable[[Optional[int], Optional[str]], None]
 PREFILL_ONLY = SamplingParams(max_new_tokens=0, temperature=0.0)  # a pin's prefill: compute and cache, sample nothing
 
 
+#: the weight version of the weights loaded at start-up (SGLang's), until an update names another
+DEFAULT_WEIGHT_VERSION = "default"
+
 class EngineCore:
     """Owns the ``ModelRunner`` (loaded from ``config`` unless one is given) and the ``Scheduler``.
 
@@ -47,6 +50,7 @@ class EngineCore:
                                    self.proposer)
         self._pin_waiters: dict[str, tuple[str, list[int], float, PinDone]] = {}  # prefill rid -> pin
         self.after_step: list[Callable[["EngineCore"], None]] = []  # between-step work, run after each step
+        self.weight_version = DEFAULT_WEIGHT_VERSION  # stamped on every output; set by weight updates (idleless.rl)
         self.kv_events = None
         if config.kv_events_config:
             self._attach_kv_events(config.kv_events_config)
@@ -112,7 +116,10 @@ class EngineCore:
             outputs = [o for o in outputs if not self._pin_prefilled(o)]
         for hook in self.after_step:
             hook(self)
-        return outputs + self.kv_connector.take_outputs()
+        outputs += self.kv_connector.take_outputs()
+        for o in outputs:
+            o.weight_version = self.weight_version
+        return outputs
 
     # -- between-step operations -------------------------------------------------------------
     def flush_cache(self) -> bool:

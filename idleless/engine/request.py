@@ -151,6 +151,8 @@ class RequestOutput:
     finish_reason is set on the last output of a request; ``error`` carries a message for requests
     that failed inside the engine. Token counts are totals so far. ``accepted_per_verify`` (last output
     only): with speculative decoding, the proposed tokens accepted at each verify step of the request.
+    ``weight_version``: the engine's weight version when the step that sampled ``new_token_ids`` ran
+    (an RL rollout that spans a weight update says which tokens came from which weights).
     """
 
     rid: str
@@ -165,6 +167,7 @@ class RequestOutput:
     completion_tokens: int = 0
     error: Optional[str] = None
     accepted_per_verify: Optional[list[int]] = None
+    weight_version: Optional[str] = None
 
     @property
     def finished(self) -> bool:

@@ -25,8 +25,6 @@ import torch
 from idleless.errors import RequestError
 from idleless.model.weights import WeightWrites, plan_weight_writes, write_weights
 
-DEFAULT_WEIGHT_VERSION = "default"
-
 # ModelConfig fields two checkpoints must share for one to replace the other's weights in place
 _SAME_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
@@ -91,7 +89,11 @@ class WeightUpdater:
 
     def __init__(self, core):
         self.core = core
-        self.weight_version = DEFAULT_WEIGHT_VERSION
+
+    @property
+    def weight_version(self) -> str:
+        """The core's (``EngineCore.weight_version``, stamped on its outputs)."""
+        return self.core.weight_version
 
     def abort_all(self) -> int:
         """Abort every waiting and running request (each reported with finish_reason ``abort`` at the
@@ -129,5 +131,5 @@ class WeightUpdater:
         if flush_cache:
             sched.cache.reset()
         if weight_version is not None:
-            self.weight_version = str(weight_version)
+            self.core.weight_version = str(weight_version)
         return UpdateResult(self.weight_version, len(planned), flush_cache, num_aborted, time.perf_counter() - t0)

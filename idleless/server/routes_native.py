@@ -47,13 +47,17 @@ class LogprobMeta:
         return sglang_input_logprobs(self.tok, prompt_ids, max(self.start, 0), entries or [], self.top)
 
 
-def _meta(rid, reason, matched, prompt, cached, completion) -> dict:
+def _meta(rid, reason, matched, prompt, cached, completion, versions) -> dict:
+    """SGLang's meta_info; ``weight_version``: the engine's weight version that sampled the last token
+    (SGLang's field), ``output_token_weight_versions``: the one of each output token."""
     return {"id": rid, "finish_reason": None if reason is None else {"type": reason, "matched": matched},
-            "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+            "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion,
+            "weight_version": versions[-1] if versions else None, "output_token_weight_versions": versions}
 
 
 def _generate_result(o: CompletionOutput, lp: LogprobMeta) -> dict:
-    meta = _meta(o.rid, o.finish_reason, o.matched_stop, o.prompt_tokens, o.cached_tokens, o.completion_tokens)
+    meta = _meta(o.rid, o.finish_reason, o.matched_stop, o.prompt_tokens, o.cached_tokens, o.completion_tokens,
+                 o.weight_versions)
     meta.update(lp.input(o.prompt_token_ids, o.prompt_logprobs))
     meta.update(lp.output(o.token_ids, o.logprobs, o.top_logprobs))
     return {"index": o.index, "text": o.text, "output_ids": o.token_ids, "meta_info": meta}
@@ -71,7 +75,8 @@ class GenerateStream:
         return ()
 
     def delta(self, d: CompletionDelta) -> Optional[str]:
-        meta = _meta(d.rid, d.finish_reason, d.matched_stop, d.prompt_tokens, d.cached_tokens, d.completion_tokens)
+        meta = _meta(d.rid, d.finish_reason, d.matched_stop, d.prompt_tokens, d.cached_tokens, d.completion_tokens,
+                     d.weight_versions)
         if d.index not in self.started:
             self.started.add(d.index)
             st = self.sub.states[d.index]

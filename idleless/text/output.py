@@ -25,7 +25,8 @@ class CompletionDelta:
     to its ``CompletionOutput`` entry for entry. The last delta may carry the stop token (an eos
     id or a ``stop_token_ids`` entry), whose text is not in the output (``TextStream``).
     finish_reason is set on the last delta ("stop", "length" or "abort"); matched_stop is the
-    stop string or stop token id that ended it. Token counts are totals so far."""
+    stop string or stop token id that ended it. Token counts are totals so far. ``weight_versions``:
+    the engine's weight version that sampled each id (``RequestOutput.weight_version``)."""
 
     rid: str
     index: int
@@ -39,6 +40,7 @@ class CompletionDelta:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: Optional[str] = None
+    weight_versions: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +69,8 @@ class CompletionOutput:
     error: Optional[str] = None
     # with speculative decoding: the proposed tokens accepted at each verify step ([] without)
     accepted_per_verify: list[int] = field(default_factory=list)
+    # the engine's weight version that sampled each token id (RL rollouts spanning a weight update)
+    weight_versions: list[str] = field(default_factory=list)
 
 
 class RequestState:
@@ -85,6 +89,7 @@ class RequestState:
         # logprobs of every id received, in order (the output keeps the first len(token_ids))
         self._logprobs: Optional[list[float]] = [] if (params.logprobs or params.top_logprobs) else None
         self._top_logprobs: Optional[list] = [] if params.top_logprobs else None
+        self._versions: list[Optional[str]] = []  # the weight version of every id received, in order
         self._sent = 0  # ids handed out in deltas
         self.finish_reason: Optional[str] = None
         self.matched_stop: Optional[int | str] = None
@@ -113,6 +118,7 @@ class RequestState:
         if out.accepted_per_verify is not None:
             self.accepted_per_verify = list(out.accepted_per_verify)
         new_ids = list(out.new_token_ids)
+        self._versions += [out.weight_version] * len(new_ids)
         if self._logprobs is not None and out.new_logprobs:
             self._logprobs += out.new_logprobs
         if self._top_logprobs is not None and out.new_top_logprobs:
@@ -143,7 +149,7 @@ class RequestState:
             top_logprobs=self._top_logprobs[a:b] if self._top_logprobs is not None else None,
             finish_reason=self.finish_reason, matched_stop=self.matched_stop,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-            completion_tokens=len(self.token_ids), error=self.error)
+            completion_tokens=len(self.token_ids), error=self.error, weight_versions=self._versions[a:b])
         return delta, abort
 
     def result(self) -> CompletionOutput:
@@ -156,7 +162,7 @@ class RequestState:
             logprobs=self._logprobs[:n] if self._logprobs is not None else None,
             top_logprobs=self._top_logprobs[:n] if self._top_logprobs is not None else None,
             prompt_token_ids=list(self.prompt_ids), prompt_logprobs=self.prompt_logprobs, error=self.error,
-            accepted_per_verify=list(self.accepted_per_verify))
+            accepted_per_verify=list(self.accepted_per_verify), weight_versions=self._versions[:n])
 
 
 def fan_out(base: str, prompts: Sequence[Sequence[int]], params: SamplingParams, tokenizer: Tokenizer,
