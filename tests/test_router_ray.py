@@ -2,8 +2,8 @@
 random model (SmolLM2's tokenizer) as Ray actors on a local Ray cluster this module starts (2 CPUs, a
 200 MiB object store, stopped at the end), the router in the serve process. Both replicas answer
 through the router, a greedy completion equals an offline Engine's on the same model, SIGTERM stops
-the actors and frees their CPUs; a replica that cannot start fails the launch and frees the cluster;
-without Ray installed the flag names the extra to install."""
+the actors and frees their CPUs, as Ctrl-C does while the replicas start; a replica that cannot start
+fails the launch and frees the cluster; without Ray installed the flag names the extra to install."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -139,3 +140,22 @@ def test_a_replica_that_cannot_start_fails_the_launch(ray_cluster, tmp_path):
     assert code == 1, log[-3000:]
     assert "exited with code 1 while starting" in log, log[-3000:]
     assert _wait_cpus_free(ray, 2.0) == 2.0  # the other replica's actor was stopped too
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_while_replicas_start_stops_the_actors(ray_cluster, tiny_chat_model):
+    address, ray = ray_cluster
+    srv = ServerProcess(["--dp", "2", "--ray-address", address, "--model", tiny_chat_model, "--dtype", "float32",
+                         "--kv-cache-memory", "16MiB", "--log-level", "info"])
+    try:
+        deadline = time.monotonic() + 300
+        while "replicas placed on Ray" not in srv.log() and srv.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "replicas placed on Ray" in srv.log(), srv.log()[-3000:]
+        assert ray.available_resources().get("CPU", 0.0) == 0.0
+    finally:
+        code = srv.stop(signal.SIGINT)  # Ctrl-C: the terminal's process group, which the actors are not in
+        log = srv.log()
+    assert code == 0, log[-3000:]
+    assert _wait_cpus_free(ray, 2.0) == 2.0
