@@ -252,14 +252,14 @@ def test_cli_against_idleless_serve(tmp_path, smollm2_dir, workload):
 
     out = tmp_path / "cmp.json"
     rc = cli_main(["bench", "compare-serving", "--workloads", workload, "--concurrency", "1,2",
-                   "--idleless-args", "--kv-cache-memory 64MiB --num-threads 1 --log-level warning",
+                   "--idleless-args", "--kv-cache-memory 64MiB --num-threads 1",
                    "--vllm-venv", str(tmp_path / "no-vllm"), "--log-dir", str(tmp_path / "logs"), "--output", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["model_dir"] == smollm2_dir and r["systems"]["idleless"]["status"] == "ok"
     assert "--kv-cache-memory 64MiB" in r["systems"]["idleless"]["command"]
     assert r["systems"]["idleless"]["server_info"]["model_path"]
-    assert set(r["systems"]["idleless"]["precision"]) == {"weights", "activations"}
+    assert set(r["systems"]["idleless"]["precision"]) == {"weights", "activations"}  # from its INFO start-up line
     ok = [x for x in r["rows"] if x["system"] == "idleless"]
     assert len(ok) == 2 and all(x["status"] == "ok" and x["output_tokens"] == sum(MAX_TOKENS) for x in ok)
     assert all(x["status"] == "skipped" for x in r["rows"] if x["system"] == "vllm")

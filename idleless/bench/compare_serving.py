@@ -253,7 +253,8 @@ def server_info(url: str) -> Optional[dict]:
 
 def precision_from_log(path: Path) -> Optional[dict]:
     """Idleless's start-up line ``weights W, activations A`` from its log (the bundled GGUF runs its
-    own Q4_1 weights at default flags, vLLM the dequantised checkpoint); None when absent."""
+    own Q4_1 weights at default flags, vLLM the dequantised checkpoint); None when absent (another
+    server, or ``--log-level warning``)."""
     m = re.search(r"weights (\S+), activations (\S+);", _tail(path, 1 << 20))
     return {"weights": m.group(1), "activations": m.group(2)} if m else None
 
