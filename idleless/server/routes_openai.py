@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from json.encoder import encode_basestring
 from typing import Callable, Iterable, Optional
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,51 @@ def _json(model) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
+def _json_scalar(value) -> Optional[str]:
+    """``value`` (None, a str or an int) as JSON, written as pydantic writes it (non-ASCII as is);
+    None for any other type (the caller then builds the chunk with pydantic)."""
+    if value is None:
+        return "null"
+    if type(value) is str:
+        return encode_basestring(value)
+    if type(value) is int:
+        return str(value)
+    return None
+
+
+class PlainChunks:
+    """The common streamed chunk of one stream — one choice, no logprobs, no usage, no tool calls —
+    written as a string from a ``data: {...,"choices":[{"index":`` head built once per stream, instead
+    of a chunk model and ``model_dump_json`` per token. The head is pydantic's own JSON of
+    ``chunk_cls`` with no choices (so ``id``, ``object``, ``created``, ``model`` and
+    ``system_fingerprint`` are written exactly as the model writes them), and the choice's fields
+    follow the order of ``ChatStreamChoice`` / ``CompletionStreamChoice``: the SSE line equals
+    ``sse(chunk_cls(...))`` of the same values, byte for byte (OpenAI's chunk objects:
+    https://platform.openai.com/docs/api-reference/chat-streaming).
+
+    Raises ValueError when ``chunk_cls``'s JSON does not end with ``choices`` then ``usage`` (the
+    model changed shape: the head would be wrong)."""
+
+    _TAIL = '],"usage":null}'
+
+    def __init__(self, chunk_cls, rid: str, created: int, model: str, fingerprint: Optional[str]):
+        js = chunk_cls(id=rid, created=created, model=model, system_fingerprint=fingerprint,
+                       choices=[]).model_dump_json()
+        if not js.endswith(self._TAIL):
+            raise ValueError(f"{chunk_cls.__name__} JSON does not end with choices, usage: {js!r}")
+        self.head = "data: " + js[:-len(self._TAIL)] + '{"index":'
+
+    def line(self, index: int, body: str, finish_reason: Optional[str], matched_stop) -> Optional[str]:
+        """The SSE line of one choice: ``body`` the choice's JSON members between ``index`` and
+        ``logprobs`` (``"text":...`` or ``"delta":{...}``); None when ``index``, ``finish_reason`` or
+        ``matched_stop`` has a type this writer does not know (write that chunk with pydantic)."""
+        fr, ms = _json_scalar(finish_reason), _json_scalar(matched_stop)
+        if type(index) is not int or fr is None or ms is None:
+            return None
+        return (f'{self.head}{index},{body},"logprobs":null,"finish_reason":{fr},"matched_stop":{ms}}}]'
+                ',"usage":null}\n\n')
+
+
 class ChatStream:
     """Chat completion chunks: an assistant role delta per choice first, then content deltas with
     their logprobs (and tool-call deltas under ``tools``: ``chat_tools.ToolStream``); usage per chunk
@@ -41,6 +87,7 @@ class ChatStream:
         self.created = int(time.time())
         self.include_usage, self.continuous = include_usage, continuous_usage
         self.tools = {st.index: ToolStream(tools or ToolPlan()) for st in sub.states}
+        self.plain = PlainChunks(ChatCompletionChunk, rid, self.created, model, fingerprint)
 
     def _chunk(self, choices, usage=None) -> str:
         return sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
@@ -48,7 +95,9 @@ class ChatStream:
 
     def opening(self) -> Iterable[str]:
         for st in self.sub.states:
-            yield self._chunk([ChatStreamChoice(index=st.index, delta=DeltaMessage(role="assistant", content=""))])
+            yield (self.plain.line(st.index, '"delta":{"role":"assistant","content":""}', None, None)
+                   or self._chunk([ChatStreamChoice(index=st.index,
+                                                    delta=DeltaMessage(role="assistant", content=""))]))
 
     def delta(self, d: CompletionDelta) -> Optional[str]:
         lps = chat_logprobs(self.tok, d.token_ids, d.logprobs, d.top_logprobs)
@@ -56,10 +105,16 @@ class ChatStream:
         text, calls = ts.feed(d.text, d.finish_reason is not None)
         if not text and not calls and d.finish_reason is None and lps is None:
             return None
+        reason = ts.finish_reason(d.finish_reason)
+        usage = usage_of(self.sub, self.n) if self.include_usage and self.continuous else None
+        if not calls and lps is None and usage is None and type(text) is str:
+            body = '"delta":{"content":' + encode_basestring(text) + "}" if text else '"delta":{}'
+            line = self.plain.line(d.index, body, reason, d.matched_stop)
+            if line is not None:
+                return line
         c = ChatStreamChoice(index=d.index, delta=DeltaMessage(content=text or None, tool_calls=calls or None),
-                             logprobs=lps, finish_reason=ts.finish_reason(d.finish_reason),
-                             matched_stop=d.matched_stop)
-        return self._chunk([c], usage_of(self.sub, self.n) if self.include_usage and self.continuous else None)
+                             logprobs=lps, finish_reason=reason, matched_stop=d.matched_stop)
+        return self._chunk([c], usage)
 
     def closing(self) -> Iterable[str]:
         if self.include_usage:
@@ -83,6 +138,7 @@ class CompletionStream:
         self.echo_logprobs = echo_logprobs
         self.offsets = {st.index: 0 for st in sub.states}  # characters sent so far, per choice
         self.echoed: set[int] = set()
+        self.plain = PlainChunks(CompletionChunk, rid, self.created, model, fingerprint)
 
     def _chunk(self, choices, usage=None) -> str:
         return sse(CompletionChunk(id=self.rid, created=self.created, model=self.model,
@@ -111,9 +167,14 @@ class CompletionStream:
         text = head + d.text
         if not text and d.finish_reason is None and lps is None:
             return None
+        usage = usage_of(self.sub, self.n) if self.include_usage and self.continuous else None
+        if lps is None and usage is None and type(text) is str:
+            line = self.plain.line(d.index, '"text":' + encode_basestring(text), d.finish_reason, d.matched_stop)
+            if line is not None:
+                return line
         c = CompletionStreamChoice(index=d.index, text=text, logprobs=lps, finish_reason=d.finish_reason,
                                    matched_stop=d.matched_stop)
-        return self._chunk([c], usage_of(self.sub, self.n) if self.include_usage and self.continuous else None)
+        return self._chunk([c], usage)
 
     def closing(self) -> Iterable[str]:
         if self.include_usage:
