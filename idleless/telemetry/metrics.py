@@ -277,35 +277,48 @@ class ServerMetrics:
         self.core = _CoreCollector({"model_name": model_name})
         r.register(self.core)
         r.register(_VllmNames(self))
-        for reason in ("stop", "length", "abort"):
-            self.requests.labels(model_name, reason)
-        for reason in ("bad_request", "overloaded", "unauthorized"):
-            self.rejected.labels(model_name, reason)
-        for m in (self.prompt_tokens, self.generation_tokens, self.cache_hit_tokens, self.ttft, self.itl, self.e2e):
-            m.labels(model_name)  # exported at 0 from the start, so a scrape before any request has the series
-        self.inflight.labels(model_name).set(0)
+        # the labelled children, looked up once (``labels()`` costs a lock and a dict lookup per call, and
+        # the TTFT/ITL observers run once per streamed token); created here, so a scrape before any
+        # request already has every series, at 0
+        self._requests = {reason: self.requests.labels(model_name, reason) for reason in ("stop", "length", "abort")}
+        self._rejected = {reason: self.rejected.labels(model_name, reason)
+                          for reason in ("bad_request", "overloaded", "unauthorized")}
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._cache_hit_tokens = self.cache_hit_tokens.labels(model_name)
+        self._ttft, self._itl, self._e2e = (m.labels(model_name) for m in (self.ttft, self.itl, self.e2e))
+        self._inflight = self.inflight.labels(model_name)
+        self._inflight.set(0)
+
+    @staticmethod
+    def _child(children: dict, metric, model: str, label: str):
+        """``metric``'s child for (``model``, ``label``), kept in ``children`` after its first use."""
+        child = children.get(label)
+        if child is None:
+            child = children[label] = metric.labels(model, label)
+        return child
 
     def observe_ttft(self, seconds: float) -> None:
-        self.ttft.labels(self._model).observe(seconds)
+        self._ttft.observe(seconds)
 
     def observe_itl(self, seconds_per_token: float, count: int = 1) -> None:
-        h = self.itl.labels(self._model)
+        h = self._itl
         for _ in range(count):
             h.observe(seconds_per_token)
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, cached_tokens: int,
                          generation_tokens: int, e2e_seconds: float) -> None:
-        self.requests.labels(self._model, finish_reason).inc()
-        self.prompt_tokens.labels(self._model).inc(prompt_tokens)
-        self.cache_hit_tokens.labels(self._model).inc(cached_tokens)
-        self.generation_tokens.labels(self._model).inc(generation_tokens)
-        self.e2e.labels(self._model).observe(e2e_seconds)
+        self._child(self._requests, self.requests, self._model, finish_reason).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._cache_hit_tokens.inc(cached_tokens)
+        self._generation_tokens.inc(generation_tokens)
+        self._e2e.observe(e2e_seconds)
 
     def observe_rejected(self, reason: str) -> None:
-        self.rejected.labels(self._model, reason).inc()
+        self._child(self._rejected, self.rejected, self._model, reason).inc()
 
     def set_inflight(self, n: int) -> None:
-        self.inflight.labels(self._model).set(n)
+        self._inflight.set(n)
 
     def update_core(self, stats: Optional[dict], healthy: bool) -> None:
         """Snapshot of EngineCore.stats() (None when the core did not answer)."""
