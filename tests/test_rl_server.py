@@ -230,3 +230,47 @@ def test_pause_and_continue_in_each_mode(setup):
         srv.wait_idle_kv()
     r = httpx.post(srv.url + "/pause_generation", json={"mode": "sideways"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+
+
+def test_release_and_resume_memory_occupation(setup):
+    """SGLang's memory hand-off: refused while a request runs; released (KV pool and weights freed,
+    pool bytes as /server_info's slots say), requests wait, an update is refused until the weights are
+    resumed, then the pushed weights serve (B's reference); nothing leaks."""
+    srv, a, b, ref = setup
+    post = lambda path, body=None: httpx.post(srv.url + path, json=body or {}, timeout=120)  # noqa: E731
+    out, started = [], threading.Event()
+    t = threading.Thread(target=stream, args=(srv, 400, out, started))
+    t.start()
+    assert started.wait(120)
+    r = post("/release_memory_occupation")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text  # a request runs
+    t.join(300)
+    assert out[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    srv.wait_idle_kv()
+
+    r = post("/release_memory_occupation", {"tags": ["gpu"]})
+    assert r.status_code == 400 and "tags" in r.json()["error"]["param"], r.text
+    assert post("/pause_generation", {"mode": "abort"}).status_code == 200  # nothing runs on zeros later
+    r = post("/release_memory_occupation")
+    assert r.status_code == 200 and r.json()["released"] == ["kv_cache", "weights"], r.text
+    slots = httpx.get(srv.url + "/server_info", timeout=30).json()["kv_slots"]
+    assert r.json()["bytes"] > 2 * 4 * slots  # at least K and V of one float32 element per slot, and the weights
+    assert post("/release_memory_occupation", {"tags": ["kv_cache"]}).json()["bytes"] == 0  # released already
+    late = []
+    w = threading.Thread(target=lambda: late.append(generate(srv)))
+    w.start()
+    r = post("/update_weights_from_disk", {"model_path": b})
+    assert r.status_code == 400 and "resume_memory_occupation" in r.json()["error"]["message"], r.text
+    r = post("/resume_memory_occupation", {"tags": ["weights"]})
+    assert r.status_code == 200 and r.json()["released"] == ["kv_cache"]
+    assert post("/update_weights_from_disk", {"model_path": b, "weight_version": "after-release"}).status_code == 200
+    assert post("/resume_memory_occupation").json()["released"] == []
+    time.sleep(1.0)
+    assert not late  # still paused
+    assert post("/continue_generation").status_code == 200
+    w.join(300)
+    assert late[0]["output_ids"] == ref["B"]
+    assert late[0]["meta_info"]["weight_version"] == "after-release"
+    srv.wait_idle_kv()
+    post("/update_weights_from_disk", {"model_path": a})
+    assert generate(srv)["output_ids"] == ref["A"]

@@ -20,11 +20,14 @@ from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
 from idleless.engine.messages import (AbortRequest, AddEosIds, AddRequest, ControlCall, ControlReply, CoreFailed,
                                       ContinueGeneration, CoreReady, DestroyWeightsUpdateGroup, ErrorOutput, FlushCache, GetStats,
-                                      GetWeightVersion, InitWeightsUpdateGroup, PauseGeneration, PinPrefix, Ping, Shutdown, UnpinPrefix,
+                                      GetWeightVersion, InitWeightsUpdateGroup, PauseGeneration, PinPrefix, Ping,
+                                      ReleaseMemoryOccupation, ResumeMemoryOccupation, Shutdown, UnpinPrefix,
                                       UpdateWeightsFromDisk, UpdateWeightsFromDistributed, UpdateWeightsFromTensor,
                                       dumps_messages)
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
 from idleless.rl.control import PendingUpdate, WeightControl
+from idleless.rl.memory import MemoryOccupation, MemoryOccupationError
+from idleless.rl.updates import WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,8 @@ class EngineCoreLoop:
     ``flush_cache=False``, otherwise once the core has no request (``abort_all_requests`` aborts them
     first; else the requests already in the engine finish on the old weights). Requests arriving
     while an update waits are held back (``held``) and queued after it, so none of them mixes weights.
-    ``PauseGeneration`` stops the steps (and holds new requests) until ``ContinueGeneration``.
+    ``PauseGeneration`` stops the steps (and holds new requests) until ``ContinueGeneration``;
+    ``ReleaseMemoryOccupation`` does too until every released tag is resumed (``paused``).
     """
 
     def __init__(self, core: EngineCore, pull, push, idle_poll_ms: int = 500, parent_check_s: float = 1.0):
@@ -107,8 +111,11 @@ class EngineCoreLoop:
             DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
             PauseGeneration: self._pause_generation,
             ContinueGeneration: self._continue_generation,
+            ReleaseMemoryOccupation: self._release_memory,
+            ResumeMemoryOccupation: self._resume_memory,
         }
-        self.paused = False  # PauseGeneration: no step until ContinueGeneration
+        self.pause_requested = False  # PauseGeneration: no step until ContinueGeneration
+        self.memory = MemoryOccupation(core)  # released memory: no step until it is resumed
         self.weights = WeightControl(core)
         self.deferred: list[tuple[PendingUpdate, Reply]] = []  # updates waiting for the core to be idle
         self.held: list[Request] = []  # requests that arrived while an update waits
@@ -210,6 +217,9 @@ class EngineCoreLoop:
     def _update_weights(self, verb, reply: Reply) -> None:
         """Any ``UpdateWeightsFrom*`` verb: checked now (a refusal aborts nothing), written now with
         ``flush_cache=False``, else deferred until the core is idle (``_run_deferred``)."""
+        if "weights" in self.memory.released:  # (a trainer's broadcast then ends at its group timeout)
+            raise WeightUpdateError("the weights are released (release_memory_occupation): "
+                                    "resume_memory_occupation first, then push them")
         pending = self.weights.prepare(verb)
         if verb.abort_all_requests:
             pending.num_aborted = self.weights.updater.abort_all() + self._abort_held()
@@ -236,14 +246,31 @@ class EngineCoreLoop:
             for rec in list(sched.running):
                 sched._retract(rec)  # noqa: SLF001 - Scheduler has no public retract yet (see the report)
                 n += 1
-        self.paused = True
+        self.pause_requested = True
         reply.ok(n)
 
     def _continue_generation(self, verb: ContinueGeneration, reply: Reply) -> None:
-        self.paused = False
-        if not self.deferred:
+        self.pause_requested = False
+        if not self.deferred and not self.paused:
             self._release_held()
         reply.ok(True)
+
+    @property
+    def paused(self) -> bool:
+        """No step runs and arriving requests are held: paused, or memory released."""
+        return self.pause_requested or bool(self.memory.released)
+
+    def _release_memory(self, verb: ReleaseMemoryOccupation, reply: Reply) -> None:
+        if self.deferred:
+            raise MemoryOccupationError("a weight update is waiting to be written: release memory after it")
+        freed = self.memory.release(verb.tags)
+        reply.ok({"released": sorted(self.memory.released), "bytes": freed})
+
+    def _resume_memory(self, verb: ResumeMemoryOccupation, reply: Reply) -> None:
+        taken = self.memory.resume(verb.tags)
+        if not self.paused and not self.deferred:
+            self._release_held()
+        reply.ok({"released": sorted(self.memory.released), "bytes": taken})
 
     def _release_held(self) -> None:
         held, self.held = self.held, []

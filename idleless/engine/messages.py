@@ -215,6 +215,23 @@ class ContinueGeneration(ControlVerb):
 
 
 @dataclass(frozen=True)
+class ReleaseMemoryOccupation(ControlVerb):
+    """Free the memory of ``tags`` (``kv_cache``, ``weights``; empty: both) for a trainer on this machine
+    (``idleless.rl.memory``); no step runs and arriving requests wait until every tag is resumed.
+    Refused while requests are in the engine. Result: {"released": [tags], "bytes": freed}."""
+
+    tags: tuple = ()
+
+
+@dataclass(frozen=True)
+class ResumeMemoryOccupation(ControlVerb):
+    """Take the memory of ``tags`` (empty: both) back, zero-filled (weights must be pushed again).
+    Result: {"released": [tags still released], "bytes": taken}."""
+
+    tags: tuple = ()
+
+
+@dataclass(frozen=True)
 class ControlCall:
     """Envelope of one control verb; ``call_id`` (unique per frontend) pairs it with its reply."""
 

@@ -11,6 +11,8 @@
     POST /destroy_weights_update_group      {group_name}
     POST /pause_generation                  {mode: abort|retract|in_place} -> {"success", "num_requests"}
     POST /continue_generation               {}
+    POST /release_memory_occupation         {tags?: [kv_cache, weights]} -> {"success", "released", "bytes"}
+    POST /resume_memory_occupation          {tags?} (weights come back as zeros: push them again)
 
 An update answers ``{"success": true, "message", "weight_version", "num_tensors", "flushed_cache",
 "num_aborted_requests", "seconds"}`` once written (between two engine steps; with flush_cache after the
@@ -33,7 +35,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from idleless.engine.messages import (ContinueGeneration, DestroyWeightsUpdateGroup, GetWeightVersion,
-                                      InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDisk,
+                                      InitWeightsUpdateGroup, PauseGeneration, ReleaseMemoryOccupation,
+                                      ResumeMemoryOccupation, UpdateWeightsFromDisk,
                                       UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
 from idleless.server.context import ServerContext, engine_unavailable
 from idleless.server.engine_client import CallFailed, CallRefused, EngineDeadError
@@ -98,18 +101,23 @@ class PauseRequest(_Body):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class MemoryRequest(_Body):
+    tags: Optional[list[Literal["kv_cache", "weights"]]] = None  # None: both
+
+
 def register(app: FastAPI, ctx: ServerContext) -> None:
     """Add the RL routes to ``app``."""
     client = ctx.client
 
-    async def call(verb, timeout: float = UPDATE_TIMEOUT_S, param: Optional[str] = None):
+    async def call(verb, timeout: float = UPDATE_TIMEOUT_S, param: Optional[str] = None,
+                   code: str = "invalid_weight_update"):
         try:
             result = await client.call(verb, timeout=timeout)
             if isinstance(result, dict) and result.get("flushed_cache"):
                 client.forget_pins()  # the flush took the pins with it
             return result
         except CallRefused as e:
-            raise APIError(400, str(e), param=param, code="invalid_weight_update") from None
+            raise APIError(400, str(e), param=param, code=code) from None
         except CallFailed as e:
             raise APIError(500, f"the weight update failed in the engine: {e}", code="internal_error") from None
         except EngineDeadError as e:
@@ -188,3 +196,20 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def continue_generation():
         await call(ContinueGeneration(), timeout=60.0)
         return JSONResponse({"success": True})
+
+    async def memory_call(request: Request, verb_type) -> JSONResponse:
+        body = await request.body()
+        req = parse_request(MemoryRequest, (await ctx.read_json(request)) if body.strip() else {})
+        res = await call(verb_type(tuple(req.tags or ())), timeout=120.0, param="tags", code="invalid_request")
+        return JSONResponse({"success": True, **res})
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        """Free the KV cache's and/or the weights' memory for a trainer on this machine (SGLang's route);
+        requests wait until every tag is resumed. 400 while requests are in the engine."""
+        return await memory_call(request, ReleaseMemoryOccupation)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        """Take the memory back (zero-filled; weights must be pushed again)."""
+        return await memory_call(request, ResumeMemoryOccupation)
