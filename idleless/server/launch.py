@@ -142,6 +142,31 @@ def _make_server(app, args, client) -> "object":
     return _Server(cfg)
 
 
+def usable_cores() -> int:
+    """Processors this process may run on (its affinity mask: a container's or ``taskset``'s share),
+    not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def engine_threads(config: EngineConfig) -> None:
+    """The server's thread rule (benchmarks/README.md, "Server threads", has the measurements): with
+    ``--num-threads 0`` the engine core gets every usable core, and its OpenMP threads wait passively
+    (``OMP_WAIT_POLICY=PASSIVE``, set for the engine core's process unless the user set it): a thread
+    that finishes an op early sleeps instead of spinning, so the frontend (HTTP, tokenization,
+    detokenization), whose own torch work is one thread, gets a core when it needs one, and a busy
+    machine does not leave the team spinning on a descheduled thread. The frontend's torch runs on
+    one thread."""
+    import torch
+
+    if config.num_threads == 0:
+        config.num_threads = usable_cores()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by the spawned engine core's libgomp at start
+    torch.set_num_threads(1)
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Start everything, serve until a signal or the engine's death; returns the exit code."""
     from idleless.server.app import ServerSettings, build_app
@@ -153,11 +178,7 @@ async def serve(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     config = config_from_args(args)
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None  # fails before the load
-    if config.num_threads == 0:
-        # The frontend process (HTTP, tokenization, detokenization) needs a core too: an engine core
-        # whose OpenMP threads take every core waits on descheduled threads at each op (benchmarks/
-        # README.md, "Server threads").
-        config.num_threads = max(1, (os.cpu_count() or 1) - 1)
+    engine_threads(config)
     names = served_model_names(config)
     sock = _bind(args.host, args.port)
     metrics = ServerMetrics(names[0])
@@ -227,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGTERM, early_exit)
     try:
-        if getattr(args, "dp", 1) > 1:
+        if getattr(args, "dp", 1) > 1 or getattr(args, "ray_address", None):  # replicas (one on Ray too)
             from idleless.router.replicas import serve_replicas
             return serve_replicas(args)
         return asyncio.run(serve(args))
