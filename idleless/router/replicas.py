@@ -47,7 +47,8 @@ def replica_args(args: argparse.Namespace, dp: int, port: int, pub_port: int, re
     r = copy.copy(args)
     r.host, r.port, r.api_key, r.dp = "127.0.0.1", port, None, 1
     if not args.num_threads:
-        r.num_threads = max(1, ((os.cpu_count() or 1) - 1) // dp)
+        from idleless.server.launch import usable_cores
+        r.num_threads = max(1, usable_cores() // dp)  # the serve rule (launch.engine_threads) split over replicas
     r.kv_events_config = json.dumps({"endpoint": f"tcp://127.0.0.1:{pub_port}",
                                      "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})
     return r
