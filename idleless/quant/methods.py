@@ -14,9 +14,11 @@ per output channel), ``Q4LinearMethod`` (GGUF Q4_1 or Q4_0 blocks of 32, its out
 ``Q8_0LinearMethod``: GGUF Q8_0 blocks), ``W8A8LinearMethod`` (int8
 weights per channel, activations quantised per token at run time, exact integer sums).
 
-row_tile: run the product on tiles of exactly that many rows (the last zero-padded), so the GEMM
-library sees one shape whatever the batch: batch-invariant (deterministic inference), as
-``linear.TiledLinearMethod``. W8A8 is batch-invariant as it is (integer sums are exact).
+row_tile (deterministic inference): with the C kernels, every batch size runs on them (each output
+element is one float32 sum in a fixed order for any number of rows, so a row's bits do not depend on
+the batch); without them (or for a format without a kernel, Q4_0), the product runs on tiles of
+exactly that many rows (the last zero-padded), so the GEMM library sees one shape whatever the batch,
+as ``linear.TiledLinearMethod``. W8A8 is batch-invariant as it is (integer sums are exact).
 """
 
 from __future__ import annotations
@@ -45,18 +47,20 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 class QuantizedLinearMethod(LinearMethod):
     """Base: ``quantize(weight) -> dict of tensors`` stored as ``layer.quant``; ``tile(layer, n0, n1,
     dtype)`` -> output rows n0..n1 of the weight as floats (and per-channel factors for their
-    products); ``kernel_apply`` the C kernel's product of a small batch. ``head_method``: the method of
-    the model's lm_head (an output layer is kept at 8 bits, as llama.cpp's files keep it).
-    kernels: a ``cpu_kernels.CpuKernels`` of the model dtype or None; not used with row_tile."""
-
+    products); ``kernel_apply`` the C kernel's product. ``head_method``: the method of the model's
+    lm_head (an output layer is kept at 8 bits, as llama.cpp's files keep it).
+    kernels: a ``cpu_kernels.CpuKernels`` of the model dtype or None. With row_tile (deterministic)
+    and kernels, every batch runs on the kernel, whose rows do not depend on the batch; row tiles are
+    the path without a kernel."""
 
     def __init__(self, row_tile: Optional[int] = None, kernels=None):
         self.row_tile = row_tile
-        self.kernels = kernels if row_tile is None else None  # the kernels' rows are not the tiles' bits
+        self.kernels = kernels
         self.head_method = self
 
     def kernel_apply(self, layer, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The C kernel's product for a small batch, or None where the method has none."""
+        """The C kernel's product x [M, K] (the kernels' dtype) -> [M, N], or None where the method
+        has none (then it has none for any M)."""
         return None
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -72,7 +76,10 @@ class QuantizedLinearMethod(LinearMethod):
         return _nbytes(*layer.quant.values())
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and 0 < x.shape[0] <= KERNEL_MAX_ROWS:
+        # deterministic: the kernel for any M (a row's bits then never depend on the batch); else only
+        # for small batches, larger ones are faster dequantised tile by tile into the GEMM library
+        if self.kernels is not None and 0 < x.shape[0] and (self.row_tile is not None
+                                                            or x.shape[0] <= KERNEL_MAX_ROWS):
             y = self.kernel_apply(layer, x)
             if y is not None:
                 return y
@@ -228,7 +235,8 @@ class W8A8LinearMethod(Int8LinearMethod):
 def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
                             deterministic: bool = False, kernels=None) -> QuantizedLinearMethod:
     """The method of ``--weight-dtype`` int8 | int4 | fp8 with ``--activation-dtype`` (int8 only with
-    int8 weights: W8A8). deterministic: batch-invariant row tiles (the kernels are not used then).
+    int8 weights: W8A8). deterministic: batch-invariant, on the kernels for every batch where there
+    are kernels, else on row tiles.
     kernels: a ``cpu_kernels.CpuKernels`` of the model dtype, or None. Raises ValueError for another
     combination (``spec.check_precision`` refuses them earlier, at configuration)."""
     tile = DETERMINISTIC_ROW_TILE if deterministic else None
