@@ -39,9 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
-from idleless.router.replicas import free_ports, replica_args
+from idleless.router.replicas import free_ports, replica_args, wait_all_healthy
 
 log = logging.getLogger("idleless.router")
 
@@ -206,24 +204,10 @@ def _exitcodes(reps: RayReplicas) -> list:
 
 
 def wait_ready(reps: RayReplicas, urls: list[str], timeout_s: float) -> None:
-    """Poll every replica's /health until all answer 200. Raises RuntimeError when one exits (or its
-    actor dies) or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    pending = set(urls)
-    while pending:
-        for u, code in zip(urls, _exitcodes(reps)):
-            if code is not None:
-                raise RuntimeError(f"replica {u} exited with code {code} while starting "
-                                   f"(its log is in the Ray worker's output above)")
-        for u in list(pending):
-            try:
-                if httpx.get(u + "/health", timeout=2.0).status_code == 200:
-                    pending.discard(u)
-            except httpx.HTTPError:
-                pass
-        if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"replicas not ready after {timeout_s:.0f} s: {sorted(pending)}")
-        time.sleep(0.5)
+    """Poll every replica's /health until all answer 200 (``replicas.wait_all_healthy``). Raises
+    RuntimeError when one exits (or its actor dies) or the time runs out."""
+    wait_all_healthy(urls, lambda: _exitcodes(reps), timeout_s, 0.5,
+                     " (its log is in the Ray worker's output above)")
 
 
 def stop_replicas(reps: RayReplicas, grace_s: float) -> None:

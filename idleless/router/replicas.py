@@ -62,15 +62,17 @@ def _replica_main(args: argparse.Namespace) -> None:
     launch.exit_process(launch.main(args) or 0)
 
 
-def wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
-    """Poll every replica's /health until all answer 200. Raises RuntimeError when one exits or the
-    time runs out."""
+def wait_all_healthy(urls: list[str], exit_codes, timeout_s: float, poll_s: float = 0.2,
+                     where: str = "") -> None:
+    """Poll every replica's /health until all answer 200. ``exit_codes()``: per url, the exit code of a
+    replica that is gone, else None. Raises RuntimeError (naming ``where`` its log is) when one exits
+    or ``timeout_s`` seconds pass."""
     deadline = time.monotonic() + timeout_s
     pending = set(urls)
     while pending:
-        for p, u in zip(procs, urls):
-            if not p.is_alive():
-                raise RuntimeError(f"replica {u} exited with code {p.exitcode} while starting")
+        for u, code in zip(urls, exit_codes()):
+            if code is not None:
+                raise RuntimeError(f"replica {u} exited with code {code} while starting{where}")
         for u in list(pending):
             try:
                 if httpx.get(u + "/health", timeout=2.0).status_code == 200:
@@ -79,7 +81,12 @@ def wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
                 pass
         if pending and time.monotonic() > deadline:
             raise RuntimeError(f"replicas not ready after {timeout_s:.0f} s: {sorted(pending)}")
-        time.sleep(0.2)
+        time.sleep(poll_s)
+
+
+def wait_ready(procs: list, urls: list[str], timeout_s: float) -> None:
+    """``wait_all_healthy`` for local replica processes."""
+    wait_all_healthy(urls, lambda: [None if p.is_alive() else p.exitcode for p in procs], timeout_s)
 
 
 def start_replicas(args: argparse.Namespace, dp: int) -> tuple[list, list[str]]:
