@@ -49,7 +49,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import statistics
 import sys
 import time
@@ -201,19 +200,11 @@ def replay_core_main(config, in_addr: str, out_addr: str, step_s: float = 0.02) 
     """Entry point of the replay core process (``EngineClient.start(core_main=...)``): the
     sockets as ``run_engine_core`` connects them, ``CoreReady`` with the model's vocabulary, then
     the real ``EngineCoreLoop`` (timed ``_flush``) over a ``ReplayCore``."""
-    import zmq
-
+    from idleless.engine.core_process import core_sockets
     from idleless.engine.messages import CoreReady
     from idleless.model.loader import load_model_config
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.connect(out_addr)
+    ctx, pull, push = core_sockets(in_addr, out_addr)
     mc = load_model_config(config.model)
     push.send(pickle.dumps([CoreReady(pid=os.getpid(), model_dir=str(config.model), dtype="replay",
                                       vocab_size=int(mc.vocab_size), context_length=1 << 20, kv_slots=1 << 20,

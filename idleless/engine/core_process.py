@@ -412,6 +412,23 @@ class EngineCoreLoop:
         self._flush()
 
 
+def core_sockets(in_addr: str, out_addr: str):
+    """An engine-core process's side of the link: signals left to the frontend (SIGINT, SIGTERM
+    ignored), then (zmq context, PULL connected to ``in_addr``, PUSH with no send limit connected to
+    ``out_addr``)."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(out_addr)
+    return ctx, pull, push
+
+
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos_ids: tuple = ()) -> None:
     """Entry point of the engine-core process (start it with multiprocessing "spawn").
 
@@ -423,18 +440,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
     group (Ctrl-C, systemd, ``timeout``) reaches the core too, and the frontend drives the shutdown
     (drain, then ``Shutdown``; SIGKILL if the core lingers; the core also leaves when its parent dies).
     """
-    import zmq
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=str(config.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.connect(out_addr)
+    ctx, pull, push = core_sockets(in_addr, out_addr)
     try:
         core = EngineCore(config)
         eos_ids = core.add_eos_ids(int(i) for i in extra_eos_ids)
