@@ -1480,6 +1480,47 @@ static inline float dot_q41(const float *x, const float *xsum, const uint8_t *qs
 #endif
 }
 
+/* dot_q41 for Q41_ROWS rows of x at once (rows x + r * k, their block sums xsum + r * nb): each block's
+ * codes and d are decoded once and applied to every row; each row's sum is built with exactly the
+ * operations of dot_q41, in the same order, so its bits equal dot_q41's. */
+#define Q41_ROWS 4
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void dot_q41_rows(const float *x, int64_t k, const float *xsum, const uint8_t *qs,
+                                const uint16_t *d, const uint16_t *mn, int64_t nb, float *res) {
+    __m256 acc[Q41_ROWS];
+    float msum[Q41_ROWS];
+    for (int r = 0; r < Q41_ROWS; r++) { acc[r] = _mm256_setzero_ps(); msum[r] = 0.f; }
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
+        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 c2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        __m256 c3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        __m256 db = _mm256_set1_ps(f16_to_f32(d[b]));
+        float mb = f16_to_f32(mn[b]);
+        for (int r = 0; r < Q41_ROWS; r++) {
+            const float *xb = x + r * k + 32 * b;
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), c0);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), c1, t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), c2, t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), c3, t);
+            acc[r] = _mm256_fmadd_ps(db, t, acc[r]);
+            msum[r] += mb * xsum[r * nb + b];
+        }
+    }
+    for (int r = 0; r < Q41_ROWS; r++) res[r] = hsum8(acc[r]) + msum[r];
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define Q41_BLOCKED 1
+#define Q41_DOT_ROWS dot_q41_rows
+#else
+#define Q41_BLOCKED 0
+#define Q41_DOT_ROWS(...) ((void)0)
+#endif
 #define Q_COLS 16 /* output columns per thread task */
 
 #define DEFINE_QUANT_KERNELS(SUF, T)                                                                           \
@@ -1522,10 +1563,17 @@ int q41_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_
     _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
     for (int64_t t = 0; t < ntask; t++)                                                                        \
         for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
-            for (int64_t r = 0; r < m; r++) {                                                                  \
-                float v = dot_q41(xf + r * k, xs + r * nb, qs + c * nb * 16, d + c * nb, mn + c * nb, nb);     \
-                if (bias) v += LD_##SUF(bias + c);                                                             \
-                ST_##SUF(out + r * ldo + c, v);                                                                \
+            for (int64_t r = 0; r < m;) {                                                                      \
+                float v[Q41_ROWS];                                                                             \
+                int64_t nr = Q41_BLOCKED && m - r >= Q41_ROWS ? Q41_ROWS : 1;                                  \
+                if (nr > 1)                                                                                    \
+                    Q41_DOT_ROWS(xf + r * k, k, xs + r * nb, qs + c * nb * 16, d + c * nb, mn + c * nb, nb, v); \
+                else                                                                                           \
+                    v[0] = dot_q41(xf + r * k, xs + r * nb, qs + c * nb * 16, d + c * nb, mn + c * nb, nb);    \
+                for (int64_t i = 0; i < nr; i++, r++) {                                                        \
+                    if (bias) v[i] += LD_##SUF(bias + c);                                                      \
+                    ST_##SUF(out + r * ldo + c, v[i]);                                                         \
+                }                                                                                              \
             }                                                                                                  \
     free(xf);                                                                                                  \
     free(xs);                                                                                                  \
