@@ -1811,6 +1811,37 @@ static inline float dot_q80(const float *x, const int8_t *q, const uint16_t *d, 
 #endif
 }
 
+/* dot_q80 for Q41_ROWS rows of x at once (rows x + r * k): each block's codes and d decoded once and
+ * applied to every row, each row's sum built with dot_q80's operations in the same order (same bits). */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline void dot_q80_rows(const float *x, int64_t k, const int8_t *q, const uint16_t *d, int64_t nb,
+                                float *res) {
+    __m256 acc[Q41_ROWS];
+    for (int r = 0; r < Q41_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *qb = q + 32 * b;
+        __m128i v0 = _mm_loadu_si128((const __m128i *)qb), v1 = _mm_loadu_si128((const __m128i *)(qb + 16));
+        __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+        __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+        __m256 c2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+        __m256 c3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+        __m256 db = _mm256_set1_ps(f16_to_f32(d[b]));
+        for (int r = 0; r < Q41_ROWS; r++) {
+            const float *xb = x + r * k + 32 * b;
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), c0);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), c1, t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), c2, t);
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), c3, t);
+            acc[r] = _mm256_fmadd_ps(db, t, acc[r]);
+        }
+    }
+    for (int r = 0; r < Q41_ROWS; r++) res[r] = hsum8(acc[r]);
+}
+#define Q80_DOT_ROWS dot_q80_rows
+#else
+#define Q80_DOT_ROWS(...) ((void)0)
+#endif
+
 #define DEFINE_Q80(SUF, T)                                                                                     \
 int q80_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const uint16_t *d,        \
                      int64_t n, const T *bias, T *out, int64_t ldo) {                                          \
@@ -1820,10 +1851,17 @@ int q80_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t
     _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
     for (int64_t t = 0; t < ntask; t++)                                                                        \
         for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
-            for (int64_t r = 0; r < m; r++) {                                                                  \
-                float v = dot_q80(xf + r * k, q + c * k, d + c * nb, nb);                                      \
-                if (bias) v += LD_##SUF(bias + c);                                                             \
-                ST_##SUF(out + r * ldo + c, v);                                                                \
+            for (int64_t r = 0; r < m;) {                                                                      \
+                float v[Q41_ROWS];                                                                             \
+                int64_t nr = Q41_BLOCKED && m - r >= Q41_ROWS ? Q41_ROWS : 1;                                  \
+                if (nr > 1)                                                                                    \
+                    Q80_DOT_ROWS(xf + r * k, k, q + c * k, d + c * nb, nb, v);                                 \
+                else                                                                                           \
+                    v[0] = dot_q80(xf + r * k, q + c * k, d + c * nb, nb);                                     \
+                for (int64_t i = 0; i < nr; i++, r++) {                                                        \
+                    if (bias) v[i] += LD_##SUF(bias + c);                                                      \
+                    ST_##SUF(out + r * ldo + c, v[i]);                                                         \
+                }                                                                                              \
             }                                                                                                  \
     free(xf);                                                                                                  \
     return 1;                                                                                                  \
