@@ -104,7 +104,7 @@ class EngineConfig:
     radix_eviction_policy: str = option("lru", "lru | gdsf (value-aware: hits x recompute cost / size)")
     max_pinned_tokens: Optional[int] = option(None, "cap on pinned prefix tokens (default: a quarter of the KV pool)")
     num_threads: int = option(0, "torch intra-op threads; 0 = all usable cores (`idleless serve`: its "
-                                   "engine core, with OpenMP threads that wait passively)")
+                                   "engine core, whose OpenMP threads spin briefly, then sleep)")
     trace_file: Optional[str] = option(None, "append one JSON line per engine step to this file (step kind, batch, "
                                        "tokens, cache hits, time buckets)")
     log_level: str = option("info", "debug | info | warning | error")

@@ -52,7 +52,7 @@ def test_alias_gives_the_same_config(command, alias, canonical, name, value):
     if name is not None:
         assert getattr(a, name) == value and getattr(a, name) != getattr(EngineConfig(), name)
     else:
-        assert a == EngineConfig()
+        assert a == config_from_args(parse(command, []))  # the command's defaults (serve has its own step budget)
 
 
 def test_aliases_combine_and_the_last_flag_wins():
@@ -60,7 +60,7 @@ def test_aliases_combine_and_the_last_flag_wins():
             "--mem-fraction-static", "0.2", "--kv-cache-memory", "1GiB"]
     cfg = config_from_args(parse("serve", args))
     assert cfg == dataclasses.replace(EngineConfig(), model="/m", max_running_requests=3, context_length=100, seed=5,
-                                      kv_cache_memory="1GiB")
+                                      kv_cache_memory="1GiB", max_prefill_tokens=1024)  # serve's step budget
     assert config_from_args(parse("serve", ["--kv-cache-memory", "1GiB", "--mem-fraction-static", "0.2"])) \
         .kv_cache_memory == "0.2"
 
@@ -102,7 +102,8 @@ def test_python_m_idleless_server_takes_the_aliases():
     p = argparse.ArgumentParser()
     launch.add_args(p)
     args = p.parse_args(["--model-path", "/m", "--max-num-seqs", "4", "-tp", "1", "--enable-metrics"])
-    assert config_from_args(args) == dataclasses.replace(EngineConfig(), model="/m", max_running_requests=4)
+    assert config_from_args(args) == dataclasses.replace(EngineConfig(), model="/m", max_running_requests=4,
+                                                         max_prefill_tokens=launch.SERVE_MAX_NUM_BATCHED_TOKENS)
 
 
 def test_every_field_has_help():
@@ -130,7 +131,7 @@ def test_serve_help_lists_the_aliases_with_their_text():
                   "--max-running-requests MAX_RUNNING_REQUESTS, --max-num-seqs MAX_RUNNING_REQUESTS",
                   "--mem-fraction-static FRACTION, --gpu-memory-utilization FRACTION",
                   "--tensor-parallel-size N, --tp-size N, -tp N", "--enable-metrics",
-                  "token budget of one step: prefill chunks + decode tokens (default: 8192)",
+                  "token budget of one step: prefill chunks + decode tokens (default: 1024 for serve)",
                   "most draft tokens per request per step (default: 6)"):
         assert piece in text, piece
 

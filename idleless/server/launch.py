@@ -32,6 +32,11 @@ from idleless.config import EngineConfig, add_cli_args, config_from_args
 log = logging.getLogger("idleless.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: the server's step token budget (--max-num-batched-tokens): a burst of prompts is prefilled over
+#: several steps, so first tokens come out staggered instead of all after the whole burst
+SERVE_MAX_NUM_BATCHED_TOKENS = 1024
+#: OpenMP spin before sleeping (GOMP_SPINCOUNT) for the engine core's threads
+SERVE_GOMP_SPINCOUNT = "30000"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +45,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     --max-queued-requests, --served-model-name, --log-level, ..., with their SGLang / vLLM names)
     plus the server's own (SGLang's --enable-metrics is accepted: the metrics are always on)."""
     add_cli_args(parser)
+    # the server's own step budget (offline keeps EngineConfig's): benchmarks/README.md "Server threads"
+    parser.set_defaults(max_prefill_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+    for action in parser._actions:  # noqa: SLF001 - the help states the server's default
+        if action.dest == "max_prefill_tokens":
+            action.help = action.help.replace(f"(default: {EngineConfig.max_prefill_tokens})",
+                                              f"(default: {SERVE_MAX_NUM_BATCHED_TOKENS} for serve)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
     parser.add_argument("--api-key", default=os.environ.get("IDLELESS_API_KEY"),
@@ -153,17 +164,18 @@ def usable_cores() -> int:
 
 def engine_threads(config: EngineConfig) -> None:
     """The server's thread rule (benchmarks/README.md, "Server threads", has the measurements): with
-    ``--num-threads 0`` the engine core gets every usable core, and its OpenMP threads wait passively
-    (``OMP_WAIT_POLICY=PASSIVE``, set for the engine core's process unless the user set it): a thread
-    that finishes an op early sleeps instead of spinning, so the frontend (HTTP, tokenization,
-    detokenization), whose own torch work is one thread, gets a core when it needs one, and a busy
-    machine does not leave the team spinning on a descheduled thread. The frontend's torch runs on
+    ``--num-threads 0`` the engine core gets every usable core, and its OpenMP threads spin
+    ``SERVE_GOMP_SPINCOUNT`` times (tens of microseconds) before they sleep, unless the user set
+    ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``: long enough to catch the next op of a step, short
+    enough that a thread waiting on a descheduled one (a busy machine, the frontend's turn) gives its
+    core back. The frontend's own torch work (HTTP, tokenization, detokenization need none) runs on
     one thread."""
     import torch
 
     if config.num_threads == 0:
         config.num_threads = usable_cores()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by the spawned engine core's libgomp at start
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = SERVE_GOMP_SPINCOUNT  # read by the spawned engine core's libgomp
     torch.set_num_threads(1)
 
 
