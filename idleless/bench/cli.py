@@ -5,6 +5,7 @@
     idleless bench spec [--workload W ...] [--algorithms ngram,draft] [--batch1-requests N] [--output result.json]
     idleless bench make-copy-workload --output benchmarks/workloads/copy_heavy.json
     idleless bench precision | router | pd | rl-update   (issues 14, 17, 18, 16)
+    idleless bench compare-serving --vllm-venv DIR | stream-cost   (issue 15)
 
 Subcommands register here: each module has ``add_args(parser)`` and ``main(args) -> int``.
 """
@@ -19,7 +20,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from idleless.bench import offline
 
     sub = parser.add_subparsers(dest="bench_command", metavar="{offline,serving,compare,plot,determinism,policies,chunked-prefill,eviction,spec,make-copy-workload,"
-                                "precision,router,pd,rl-update}", required=True)
+                                "precision,router,pd,rl-update,compare-serving,stream-cost}", required=True)
     o = sub.add_parser("offline", help="offline throughput on a workload file (Engine in-process)",
                        description=offline.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     offline.add_args(o)
