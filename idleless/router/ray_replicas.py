@@ -150,14 +150,15 @@ def start_replicas(args: argparse.Namespace, dp: int) -> tuple[RayReplicas, list
     reps = RayReplicas()
     try:
         if not ray.is_initialized():
-            sigterm = signal.getsignal(signal.SIGTERM)
+            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
             try:
                 ray.init(address=args.ray_address, log_to_driver=True)
             except ConnectionError as e:
                 raise RuntimeError(f"no Ray cluster at --ray-address {args.ray_address} ({e}); "
                                    f"start one with `ray start --head`") from e
-            finally:  # a driver's ray.init makes SIGTERM exit at once; the server's handler drains first
-                signal.signal(signal.SIGTERM, sigterm)
+            finally:  # a driver's ray.init makes SIGTERM exit at once; the server's handlers drain first
+                for s, h in handlers.items():
+                    signal.signal(s, h)
             reps.connected = True
         node_cpus = [n["Resources"]["CPU"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
         reps.threads = threads = replica_threads(args, dp, node_cpus)

@@ -428,7 +428,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(ctx)
         self._prefix_text: Optional[str] = None  # cache of decode(ids[prefix:read])
         self.num_output_tokens = 0
-        self._decode = tokenizer.ids_decoder(skip_special_tokens)  # of lists of ints (add converts)
+        # of lists of ints (add converts); None for a tokenizer-less state that never decodes
+        self._decode = tokenizer.ids_decoder(skip_special_tokens) if tokenizer is not None else None
 
     def _window_text(self) -> str:
         """decode(ids[prefix:read]): the text already emitted of the window. After a step that
