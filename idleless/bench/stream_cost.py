@@ -200,7 +200,7 @@ def replay_core_main(config, in_addr: str, out_addr: str, step_s: float = 0.02) 
     """Entry point of the replay core process (``EngineClient.start(core_main=...)``): the
     sockets as ``run_engine_core`` connects them, ``CoreReady`` with the model's vocabulary, then
     the real ``EngineCoreLoop`` (timed ``_flush``) over a ``ReplayCore``."""
-    from idleless.engine.core_process import core_sockets
+    from idleless.engine.core_process import core_sockets, run_and_close
     from idleless.engine.messages import CoreReady
     from idleless.model.loader import load_model_config
 
@@ -210,13 +210,7 @@ def replay_core_main(config, in_addr: str, out_addr: str, step_s: float = 0.02) 
                                       vocab_size=int(mc.vocab_size), context_length=1 << 20, kv_slots=1 << 20,
                                       page_size=1, max_running_requests=int(config.max_running_requests),
                                       eos_token_ids=[], load_seconds=0.0)]))
-    loop = _timed_loop_class()(ReplayCore(step_s), pull, push, idle_poll_ms=50)
-    try:
-        loop.run()
-    finally:
-        push.close(linger=2000)
-        pull.close(linger=0)
-        ctx.term()
+    run_and_close(_timed_loop_class()(ReplayCore(step_s), pull, push, idle_poll_ms=50), ctx)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -429,6 +429,17 @@ def core_sockets(in_addr: str, out_addr: str):
     return ctx, pull, push
 
 
+def run_and_close(loop: EngineCoreLoop, ctx) -> None:
+    """Run ``loop`` until it stops, then close its sockets (what is queued gets up to 2 s to leave)
+    and the zmq context ``ctx`` (``core_sockets``'s)."""
+    try:
+        loop.run()
+    finally:
+        loop.push.close(linger=2000)
+        loop.pull.close(linger=0)
+        ctx.term()
+
+
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos_ids: tuple = ()) -> None:
     """Entry point of the engine-core process (start it with multiprocessing "spawn").
 
@@ -461,11 +472,5 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
         ctx.term()
         sys.exit(1)
     push.send(pickle.dumps([ready]))
-    loop = EngineCoreLoop(core, pull, push)
-    try:
-        loop.run()
-    finally:
-        push.close(linger=2000)
-        pull.close(linger=0)
-        ctx.term()
+    run_and_close(EngineCoreLoop(core, pull, push), ctx)
     log.info("engine core: stopped")

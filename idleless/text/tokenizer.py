@@ -133,7 +133,6 @@ class Tokenizer:
         for i in extra_eos_ids or ():
             eos.add(int(i))
         self.eos_token_ids: set[int] = eos
-        self._piece_cache: dict[int, str] = {}
         self._one_cache: tuple[dict[int, str], dict[int, str]] = ({}, {})  # decode_one, by skip_special_tokens
         self._byte_level, self._byte_fallback, self._metaspace = self._inspect_backend()
 
@@ -266,14 +265,9 @@ class Tokenizer:
         """The decoded text of one token, for logprob display (special tokens included as text).
 
         Bytes-safe: a token holding part of a UTF-8 character gives U+FFFD instead of raising;
-        use ``id_to_bytes`` for the exact bytes. Cached per id.
+        use ``id_to_bytes`` for the exact bytes. Cached per id (``decode_one``'s cache).
         """
-        token_id = int(token_id)
-        piece = self._piece_cache.get(token_id)
-        if piece is None:
-            piece = self.decode([token_id], skip_special_tokens=False)
-            self._piece_cache[token_id] = piece
-        return piece
+        return self.decode_one(int(token_id), skip_special_tokens=False)
 
     def id_to_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token contributes (OpenAI logprobs' ``bytes`` field).
