@@ -105,6 +105,12 @@ class EngineConfig:
     max_pinned_tokens: Optional[int] = option(None, "cap on pinned prefix tokens (default: a quarter of the KV pool)")
     num_threads: int = option(0, "torch intra-op threads; 0 = all usable cores (`idleless serve`: its "
                                    "engine core, whose OpenMP threads spin briefly, then sleep)")
+    # tensor parallelism (idleless.dist; issue 17): its flag is added by add_cli_args with metavar N
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks: rank 0 runs the scheduler and starts N-1 worker "
+                                       "processes, each holding 1/N of the heads, MLP and vocabulary "
+                                       "(torch.distributed: gloo on CPU, NCCL on CUDA); the threads are split "
+                                       "between them; N must divide the attention and KV heads",
+                                       "--tp-size", "-tp")
     trace_file: Optional[str] = option(None, "append one JSON line per engine step to this file (step kind, batch, "
                                        "tokens, cache hits, time buckets)")
     log_level: str = option("info", "debug | info | warning | error")
@@ -160,6 +166,8 @@ class EngineConfig:
             raise ValueError(f"radix_eviction_policy must be lru or gdsf, got {self.radix_eviction_policy!r}")
         if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._check_speculative()
         self._check_disaggregation()
         self.kv_cache_dtype = check_precision(self.weight_dtype, self.activation_dtype, self.kv_cache_dtype)
@@ -227,21 +235,25 @@ def ram_fraction(value: str) -> str:
 
 
 def tensor_parallel_size(value: str) -> int:
-    """argparse type of ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp``: only 1 is accepted until
-    tensor parallelism is built. Raises argparse.ArgumentTypeError for anything else."""
-    if value.strip() != "1":
-        raise argparse.ArgumentTypeError(f"tensor parallelism is not built yet: only 1 is accepted, got {value!r}")
-    return 1
+    """argparse type of ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp``: an integer >= 1. Raises
+    argparse.ArgumentTypeError otherwise (whether N divides the model's heads is checked at load)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"the tensor-parallel size must be an integer >= 1, got {value!r}")
+    return n
 
 
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Add one ``--kebab-case`` flag per EngineConfig field (booleans become store_true flags), with
     its help and its SGLang / vLLM names from the field's metadata (``option``), plus
     ``--mem-fraction-static`` / ``--gpu-memory-utilization`` (a fraction for ``kv_cache_memory``)
-    and ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp`` (1 only). Fields in ``skip`` get no flag."""
+    and ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp`` (metavar N). Fields in ``skip`` get no flag."""
     hints = get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
-        if f.name in skip:
+        if f.name in skip or f.name == "tensor_parallel_size":  # its own flag, below
             continue
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -259,9 +271,10 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
                                  "it is the share of accelerator memory for weights + KV cache, here the KV pool "
                                  "takes that share of the RAM still available after the weights are loaded "
                                  f"(at most {MAX_RAM_FRACTION:g})")
-    parser.add_argument("--tensor-parallel-size", "--tp-size", "-tp", type=tensor_parallel_size, default=1,
-                        dest="tensor_parallel_size", metavar="N",
-                        help="tensor-parallel ranks; only 1 until tensor parallelism is built (default: 1)")
+    if "tensor_parallel_size" not in skip:
+        tp = next(f for f in fields(EngineConfig) if f.name == "tensor_parallel_size")
+        parser.add_argument("--tensor-parallel-size", *tp.metadata["aliases"], type=tensor_parallel_size, default=1,
+                            dest="tensor_parallel_size", metavar="N", help=tp.metadata["help"] + " (default: 1)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

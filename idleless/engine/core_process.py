@@ -402,6 +402,10 @@ class EngineCoreLoop:
                 except Exception as e:  # noqa: BLE001
                     log.exception("engine core: step failed; aborting all requests")
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    from idleless.dist.group import TensorParallelError
+                    if isinstance(e, TensorParallelError):  # a tensor-parallel rank is gone: no step can run
+                        log.error("engine core: exiting after a tensor-parallel failure")
+                        self.running = False
             self._flush()
             clock.mark("io")
         # shutdown: whatever is left is aborted and reported, and every call still open is answered
@@ -463,7 +467,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
                           kv_slots=int(r.pool.num_slots), page_size=int(config.page_size),
                           max_running_requests=int(config.max_running_requests),
                           eos_token_ids=list(eos_ids),
-                          load_seconds=float(getattr(r, "load_seconds", 0.0)))
+                          load_seconds=float(getattr(r, "load_seconds", 0.0)),
+                          precision=getattr(r, "precision", None))
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the frontend
         log.error("engine core failed to start: %s", e)
         push.send(pickle.dumps([CoreFailed(f"{type(e).__name__}: {e}", traceback.format_exc())]))

@@ -105,12 +105,20 @@ class ModelRunner:
     AMX-packed) and the composite attention ``backend``. Raises FileNotFoundError / ValueError from the
     loader (missing files, unsupported architecture) and ValueError if the KV budget holds no page."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp=None):
         t0 = time.perf_counter()
-        torch.set_num_threads(config.resolved_threads())
-        self.config = config
         self.model_dir = prepare_model_dir(config.model)
         self.model_config = mc = load_model_config(self.model_dir)
+        # tensor parallelism (idleless.dist): rank 0 (tp None) checks the set-up and starts ranks 1..N-1, which
+        # pass their own ``tp``; each rank's config has the KV budget in bytes and its share of the threads
+        self.tp = tp
+        if tp is None and config.tensor_parallel_size > 1:
+            from idleless.dist.worker import TensorParallel
+            self.tp = TensorParallel.start(config, mc, config.weight_dtype if config.weight_dtype != "auto" else
+                                           native_weight_dtype(config.model) or "bf16")
+        config = self.tp.config if self.tp is not None else config
+        torch.set_num_threads(config.resolved_threads())
+        self.config = config
         self.dtype = resolve_dtype(config.dtype)
         self.context_length = config.context_length or mc.max_position_embeddings
         self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
@@ -124,22 +132,29 @@ class ModelRunner:
                                                   self.kernels, deterministic=det, weight_dtype=self.weight_dtype,
                                                   activation_dtype=config.activation_dtype)
         self.model = LlamaForCausalLM(mc, self.context_length, self.ops, self.linear_method)
+        if self.tp is not None:
+            self.tp.shard(self.model)  # this rank's heads, MLP features and vocabulary rows (dist.tp)
         self.model.to(self.dtype)
         self.model.rope.cos = self.model.rope.cos.float()
         self.model.rope.sin = self.model.rope.sin.float()
         self.model.eval()
         self.prepacked_bytes = 0  # bytes the linear method holds beyond the weights (packed copies)
         self.load_weights(load_state_dict(self.model_dir, self.dtype).items(), require_all=True)
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype,
+        heads, kv_heads = mc.num_attention_heads, mc.num_key_value_heads
+        if self.tp is not None:  # this rank's heads: its KV pool holds its KV heads only
+            heads, kv_heads = self.tp.local_heads(heads), self.tp.local_heads(kv_heads)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, self.dtype,
                                            config.kv_cache_dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
-        self.pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_slots,
+        self.pool = KVPool(mc.num_hidden_layers, kv_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype)
-        self.backend = CompositeAttention(self.pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+        self.backend = CompositeAttention(self.pool, heads, kv_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
         # structured outputs: per-request grammar matchers -> the sampler's token masks (the grammar engine
         # and the vocabulary load in a worker thread from here on)
         self.token_masks = TokenMasks(config.tokenizer or self.model_dir, mc.vocab_size)
+        if self.tp is not None:
+            self.tp.connect()  # rank 0: the workers have loaded; every rank joins the process group
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; weights %s, activations %s; KV pool %d tokens in %s "
                  "(%.2f GiB)", self.model_dir, self.dtype, mc.num_hidden_layers, self.load_seconds, self.weight_dtype,
@@ -165,6 +180,10 @@ class ModelRunner:
         point, a name twice, missing with require_all) before writing anything: the weights are then
         unchanged. The KV pool and the prefix cache still hold K/V of the old weights: call between
         steps and flush the cache for outputs of the new weights alone."""
+        if self.tp is not None:  # each rank loads its piece; later updates would reach rank 0 alone
+            if hasattr(self, "pool"):
+                raise ValueError("weight updates are not supported with --tp-size > 1")
+            named_tensors = self.tp.checkpoint_shards(self.model, named_tensors)
         self.prepacked_bytes = load_weights(self.model, named_tensors, require_all=require_all)
 
     @torch.inference_mode()
@@ -175,6 +194,8 @@ class ModelRunner:
         grammars (``token_masks``, which forgets the plan's ``finished_ids``). Returns a ``StepResult``
         with one entry per scheduled request, in plan order."""
         from idleless.engine.plan import StepResult
+        if self.tp is not None:
+            self.tp.send_plan(plan)  # rank 0: the workers run this plan with it (their collectives join ours)
         self.token_masks.drop(plan.finished_ids)
         self.token_masks.begin(plan)
         batch, rows, scored = forward_batch_of(plan)
