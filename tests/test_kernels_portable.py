@@ -132,3 +132,28 @@ def test_chunk_attn_native_equals_portable(dtype, H, Hkv, D):
         states.append(state)
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(*states))
+
+
+@DTYPES
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_gguf_linear_native_equals_portable(dtype, fmt):
+    """q41_linear / q80_linear: the scalar build's fmaf chains and lane tree give the AVX2 build's bits,
+    for one row (the register decode) and for 37 rows (the panel tiling, a partial row tile), with
+    float16 steps that include a subnormal and a zero."""
+    from idleless.quant.formats import quantize_q4_1, quantize_q8_0
+
+    native, portable = BUILDS[dtype]
+    n, k = 45, 96
+    w = _x((n, k), 21, torch.float32, 0.1)
+    x = _x((37, k), 22, dtype)
+    bias = _x((n,), 23, dtype)
+    if fmt == "q4_1":
+        qs, d, m = quantize_q4_1(w)
+        d[0, 0], m[1, 1] = 1e-7, 0.0  # float16 subnormal step, zero minimum
+        run = lambda kern, rows: kern.q41_linear(rows, qs, d, m, bias)
+    else:
+        q, d = quantize_q8_0(w)
+        d[0, 0], d[2, 1] = 1e-7, 0.0
+        run = lambda kern, rows: kern.q80_linear(rows, q, d, bias)
+    for rows in (x[:1], x):
+        assert torch.equal(run(native, rows), run(portable, rows))

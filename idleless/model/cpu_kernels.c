@@ -1392,12 +1392,10 @@ int ragged_attn_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
  * the quantised ones (1 byte per weight for int8, 5 bits for Q4_1 instead of 4 for float32).
  * q8_linear: int8 q [n, k] with one float32 scale per output row (symmetric per channel):
  *   out[r, c] = T(scale[c] * sum_k x[r, k] q[c, k] + bias[c]).
- * q41_linear: GGUF Q4_1 blocks of 32 along k (ggml's block_q4_1: float16 step d and minimum m, codes
- * 0..15 packed two per byte, element j in the low nibble of byte j, element j + 16 in its high nibble):
- *   out[r, c] = T(sum_b (d[c, b] sum_j x[r, 32b + j] code[c, b, j] + m[c, b] sum_j x[r, 32b + j]) + bias[c]).
  * Every output element is one float32 sum in a fixed order (8 lanes over k, lanes summed in a fixed
  * tree; the scalar build in k order), the same for any number of rows. Threads split output columns.
- * x rows are converted to float32 once (exact); returns 0 if that buffer cannot be allocated, else 1. */
+ * x rows are converted to float32 once (exact); returns 0 if that buffer cannot be allocated, else 1.
+ * The GGUF block formats (q41_linear, q80_linear) have their own section below. */
 #if defined(__F16C__)
 #include <immintrin.h>
 static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* IEEE half -> float, exact */
@@ -1448,84 +1446,12 @@ static inline float dot_q8(const float *x, const int8_t *q, int64_t k) {
     return s;
 }
 
-/* sum over blocks of d * (x . codes) + m * xsum[b]; qs: the output row's blocks, 16 bytes each */
-static inline float dot_q41(const float *x, const float *xsum, const uint8_t *qs, const uint16_t *d,
-                            const uint16_t *mn, int64_t nb) {
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0f);
-    float msum = 0.f;
-    for (int64_t b = 0; b < nb; b++) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-        const float *xb = x + 32 * b;
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), t);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(d[b])), t, acc);
-        msum += f16_to_f32(mn[b]) * xsum[b];
-    }
-    return hsum8(acc) + msum;
-#else
-    float s = 0.f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *q = qs + 16 * b;
-        const float *xb = x + 32 * b;
-        float t = 0.f;
-        for (int j = 0; j < 16; j++) t += xb[j] * (float)(q[j] & 0x0f) + xb[j + 16] * (float)(q[j] >> 4);
-        s += f16_to_f32(d[b]) * t + f16_to_f32(mn[b]) * xsum[b];
-    }
-    return s;
-#endif
-}
-
-/* dot_q41 for Q41_ROWS rows of x at once (rows x + r * k, their block sums xsum + r * nb): each block's
- * codes and d are decoded once and applied to every row; each row's sum is built with exactly the
- * operations of dot_q41, in the same order, so its bits equal dot_q41's. */
-#define Q41_ROWS 4
-#if defined(__AVX2__) && defined(__FMA__)
-static inline void dot_q41_rows(const float *x, int64_t k, const float *xsum, const uint8_t *qs,
-                                const uint16_t *d, const uint16_t *mn, int64_t nb, float *res) {
-    __m256 acc[Q41_ROWS];
-    float msum[Q41_ROWS];
-    for (int r = 0; r < Q41_ROWS; r++) { acc[r] = _mm256_setzero_ps(); msum[r] = 0.f; }
-    const __m128i low = _mm_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(qs + 16 * b));
-        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-        __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        __m256 c2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        __m256 c3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        __m256 db = _mm256_set1_ps(f16_to_f32(d[b]));
-        float mb = f16_to_f32(mn[b]);
-        for (int r = 0; r < Q41_ROWS; r++) {
-            const float *xb = x + r * k + 32 * b;
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), c0);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), c1, t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), c2, t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), c3, t);
-            acc[r] = _mm256_fmadd_ps(db, t, acc[r]);
-            msum[r] += mb * xsum[r * nb + b];
-        }
-    }
-    for (int r = 0; r < Q41_ROWS; r++) res[r] = hsum8(acc[r]) + msum[r];
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-#define Q41_BLOCKED 1
-#define Q41_DOT_ROWS dot_q41_rows
-#else
-#define Q41_BLOCKED 0
-#define Q41_DOT_ROWS(...) ((void)0)
-#endif
 #define Q_COLS 16 /* output columns per thread task */
 
 #define DEFINE_QUANT_KERNELS(SUF, T)                                                                           \
 static float *rows_to_f32_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx) {                               \
-    float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k > 0 ? m * k : 1));                              \
+    size_t bytes = (sizeof(float) * (size_t)(m * k > 0 ? m * k : 1) + 63) / 64 * 64; /* rows on cache lines */ \
+    float *xf = (float *)aligned_alloc(64, bytes);                                                             \
     if (!xf) return NULL;                                                                                      \
     for (int64_t r = 0; r < m; r++)                                                                            \
         for (int64_t i = 0; i < k; i++) xf[r * k + i] = LD_##SUF(x + r * ldx + i);                             \
@@ -1545,38 +1471,6 @@ int q8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t 
                 ST_##SUF(out + r * ldo + c, v);                                                                \
             }                                                                                                  \
     free(xf);                                                                                                  \
-    return 1;                                                                                                  \
-}                                                                                                              \
-int q41_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *qs, const uint16_t *d,      \
-                     const uint16_t *mn, int64_t n, const T *bias, T *out, int64_t ldo) {                      \
-    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
-    int64_t nb = k / 32;                                                                                       \
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(m * nb > 0 ? m * nb : 1));                            \
-    if (!xf || !xs) { free(xf); free(xs); return 0; }                                                          \
-    for (int64_t r = 0; r < m; r++)                                                                            \
-        for (int64_t b = 0; b < nb; b++) {                                                                     \
-            float s = 0.f;                                                                                     \
-            for (int j = 0; j < 32; j++) s += xf[r * k + 32 * b + j];                                          \
-            xs[r * nb + b] = s;                                                                                \
-        }                                                                                                      \
-    int64_t ntask = (n + Q_COLS - 1) / Q_COLS;                                                                 \
-    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
-    for (int64_t t = 0; t < ntask; t++)                                                                        \
-        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
-            for (int64_t r = 0; r < m;) {                                                                      \
-                float v[Q41_ROWS];                                                                             \
-                int64_t nr = Q41_BLOCKED && m - r >= Q41_ROWS ? Q41_ROWS : 1;                                  \
-                if (nr > 1)                                                                                    \
-                    Q41_DOT_ROWS(xf + r * k, k, xs + r * nb, qs + c * nb * 16, d + c * nb, mn + c * nb, nb, v); \
-                else                                                                                           \
-                    v[0] = dot_q41(xf + r * k, xs + r * nb, qs + c * nb * 16, d + c * nb, mn + c * nb, nb);    \
-                for (int64_t i = 0; i < nr; i++, r++) {                                                        \
-                    if (bias) v[i] += LD_##SUF(bias + c);                                                      \
-                    ST_##SUF(out + r * ldo + c, v[i]);                                                         \
-                }                                                                                              \
-            }                                                                                                  \
-    free(xf);                                                                                                  \
-    free(xs);                                                                                                  \
     return 1;                                                                                                  \
 }
 
@@ -1783,92 +1677,234 @@ int w8a8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_
 DEFINE_W8A8(f32, float)
 DEFINE_W8A8(bf16, uint16_t)
 
-/* ---- GGUF Q8_0 weights (weight-only): blocks of 32 int8 codes along k with a float16 step d --------
- * out[r, c] = T(sum_b d[c, b] (x[r, 32b..32b+31] . code[c, b]) + bias[c]), one fixed-order float32 sum per
- * output (8 lanes, a fixed lane tree; the scalar build in k order), any number of rows. */
-static inline float dot_q80(const float *x, const int8_t *q, const uint16_t *d, int64_t nb) {
+/* ---- GGUF block weights (weight-only): Q4_1 and Q8_0, one product for every number of rows ----------
+ * Blocks of 32 weights along k with float16 factors (ggml's block_q4_1 / block_q8_0): Q4_1 codes 0..15
+ * two per byte (element j in the low nibble of byte j, element j + 16 in its high nibble) with step d and
+ * minimum m, w = m + d * code; Q8_0 int8 codes with step d, w = d * code (each in float32, the product
+ * rounded, then the sum: the weights idleless.quant.formats' dequantize functions give).
+ *   out[r, c] = T(dot8(x[r], w[c]) + bias[c]),
+ * dot8: eight float32 lanes, lane l a chain of fused multiply-adds over k = l, l + 8, l + 16, ... in order
+ * from 0, then the lanes summed in a fixed tree (hsum8). The chain of an output element is the same
+ * whatever the number of rows and whichever tile computes it, so a row's bits never depend on its batch
+ * (deterministic inference), and the scalar build computes the same chains (fmaf), so it gives the same
+ * bits as the AVX2 one. Two tilings of that one arithmetic: up to GGUF_GEMM_MIN_ROWS rows, the blocks are
+ * decoded in registers and applied to up to 4 rows at once (decode, where the weight is read once per
+ * step); from there on, a panel of GGUF_PANEL output columns is decoded once into a float32 buffer that
+ * stays in L2 and a 4 x 2 register tile of outputs runs over it (prefill: the decode is paid once per
+ * panel, the tile does one load per 1.33 fused multiply-adds). Threads split output columns. */
+#define GGUF_PANEL 32         /* output columns per decoded panel (32 x 1536 floats: 192 kB) */
+#define GGUF_GEMM_MIN_ROWS 8  /* rows from which the panel tiling runs */
+#define GGUF_MR 4             /* rows per register tile (panel tiling and the register decode) */
+#define GGUF_NR 2             /* columns per register tile of the panel tiling */
+#define GGUF_CG 4             /* columns decoded side by side in the register tiling */
+#define GGUF_Q41 0
+#define GGUF_Q80 1
+
+typedef struct {  /* a GGUF weight [n, k]: format, codes, float16 steps d and (Q4_1) minima m */
+    int fmt;
+    const uint8_t *q;
+    const uint16_t *d, *m;
+    int64_t nb;
+} gguf_w;
+
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int8_t *qb = q + 32 * b;
-        const float *xb = x + 32 * b;
+typedef __m256 f8;
+static inline f8 f8_zero(void) { return _mm256_setzero_ps(); }
+static inline f8 f8_fma(const float *x, f8 w, f8 acc) { return _mm256_fmadd_ps(_mm256_loadu_ps(x), w, acc); }
+static inline f8 f8_ld(const float *p) { return _mm256_loadu_ps(p); }
+static inline void f8_st(float *p, f8 v) { _mm256_storeu_ps(p, v); }
+static inline float f8_sum(f8 v) { return hsum8(v); }
+/* block b of column c as 4 vectors of 8 float32 weights (k order) */
+static inline void gguf_block(const gguf_w *W, int64_t c, int64_t b, f8 w[4]) {
+    int64_t i = c * W->nb + b;
+    __m256 db = _mm256_set1_ps(f16_to_f32(W->d[i]));
+    if (W->fmt == GGUF_Q41) {
+        const __m128i low = _mm_set1_epi8(0x0f);
+        __m128i v = _mm_loadu_si128((const __m128i *)(W->q + 16 * i));
+        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        __m256 mb = _mm256_set1_ps(f16_to_f32(W->m[i]));
+        w[0] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))));
+        w[1] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))));
+        w[2] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
+        w[3] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
+    } else {
+        const int8_t *qb = (const int8_t *)W->q + 32 * i;
         __m128i v0 = _mm_loadu_si128((const __m128i *)qb), v1 = _mm_loadu_si128((const __m128i *)(qb + 16));
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)));
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))), t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), t);
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))), t);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(d[b])), t, acc);
+        w[0] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)));
+        w[1] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))));
+        w[2] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)));
+        w[3] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))));
     }
-    return hsum8(acc);
+}
 #else
-    float s = 0.f;
-    for (int64_t b = 0; b < nb; b++) {
-        float t = 0.f;
-        for (int j = 0; j < 32; j++) t += x[32 * b + j] * (float)q[32 * b + j];
-        s += f16_to_f32(d[b]) * t;
+typedef struct { float v[8]; } f8;
+static inline f8 f8_zero(void) { f8 r = {{0}}; return r; }
+static inline f8 f8_fma(const float *x, f8 w, f8 acc) {
+    for (int l = 0; l < 8; l++) acc.v[l] = __builtin_fmaf(x[l], w.v[l], acc.v[l]);
+    return acc;
+}
+static inline f8 f8_ld(const float *p) { f8 r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline void f8_st(float *p, f8 v) { memcpy(p, v.v, sizeof v.v); }
+static inline float f8_sum(f8 v) { /* hsum8's tree: (lo + hi), then lanes 0 + 2 and 1 + 3, then those two */
+    float s[4];
+    for (int l = 0; l < 4; l++) s[l] = v.v[l] + v.v[l + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+static inline void gguf_block(const gguf_w *W, int64_t c, int64_t b, f8 w[4]) {
+    int64_t i = c * W->nb + b;
+    float db = f16_to_f32(W->d[i]);
+    if (W->fmt == GGUF_Q41) {
+        const uint8_t *q = W->q + 16 * i;
+        float mb = f16_to_f32(W->m[i]);
+        for (int j = 0; j < 16; j++) {
+            w[j / 8].v[j % 8] = mb + db * (float)(q[j] & 0x0f);
+            w[2 + j / 8].v[j % 8] = mb + db * (float)(q[j] >> 4);
+        }
+    } else {
+        const int8_t *q = (const int8_t *)W->q + 32 * i;
+        for (int j = 0; j < 32; j++) w[j / 8].v[j % 8] = db * (float)q[j];
     }
-    return s;
+}
 #endif
+
+/* Register tiling: rows x[0..R) (k apart) times columns c0 .. c0 + C of W, each block decoded once and
+ * applied to the R rows; res[r * C + j] = the dot8 sum of row r and column c0 + j. */
+static inline __attribute__((always_inline)) void gguf_regs(const float *x, int64_t k, const gguf_w *W, int64_t c0,
+                                                            int R, int C, float *res) {
+    f8 acc[GGUF_MR][GGUF_CG];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) acc[r][j] = f8_zero();
+    for (int64_t b = 0; b < W->nb; b++)
+        for (int j = 0; j < C; j++) {
+            f8 w[4];
+            gguf_block(W, c0 + j, b, w);
+            for (int r = 0; r < R; r++)
+                for (int s = 0; s < 4; s++) acc[r][j] = f8_fma(x + r * k + 32 * b + 8 * s, w[s], acc[r][j]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) res[r * C + j] = f8_sum(acc[r][j]);
 }
 
-/* dot_q80 for Q41_ROWS rows of x at once (rows x + r * k): each block's codes and d decoded once and
- * applied to every row, each row's sum built with dot_q80's operations in the same order (same bits). */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline void dot_q80_rows(const float *x, int64_t k, const int8_t *q, const uint16_t *d, int64_t nb,
-                                float *res) {
-    __m256 acc[Q41_ROWS];
-    for (int r = 0; r < Q41_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int8_t *qb = q + 32 * b;
-        __m128i v0 = _mm_loadu_si128((const __m128i *)qb), v1 = _mm_loadu_si128((const __m128i *)(qb + 16));
-        __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
-        __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
-        __m256 c2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
-        __m256 c3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
-        __m256 db = _mm256_set1_ps(f16_to_f32(d[b]));
-        for (int r = 0; r < Q41_ROWS; r++) {
-            const float *xb = x + r * k + 32 * b;
-            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), c0);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), c1, t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), c2, t);
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), c3, t);
-            acc[r] = _mm256_fmadd_ps(db, t, acc[r]);
+/* Panel tiling: rows x[0..R) (k apart) times float32 weight rows w[0..C) (k apart, a decoded panel). */
+static inline __attribute__((always_inline)) void gguf_tile(const float *x, const float *w, int64_t k, int R, int C,
+                                                            float *res) {
+    f8 acc[GGUF_MR][GGUF_NR];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) acc[r][j] = f8_zero();
+    for (int64_t i = 0; i < k; i += 8) {
+        f8 wv[GGUF_NR];
+        for (int j = 0; j < C; j++) wv[j] = f8_ld(w + j * k + i);
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < C; j++) acc[r][j] = f8_fma(x + r * k + i, wv[j], acc[r][j]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) res[r * GGUF_NR + j] = f8_sum(acc[r][j]);
+}
+
+static void gguf_regs_any(const float *x, int64_t k, const gguf_w *W, int64_t c0, int R, int C, float *res) {
+    if (C == GGUF_CG) {
+        switch (R) {
+        case 4: gguf_regs(x, k, W, c0, 4, GGUF_CG, res); return;
+        case 3: gguf_regs(x, k, W, c0, 3, GGUF_CG, res); return;
+        case 2: gguf_regs(x, k, W, c0, 2, GGUF_CG, res); return;
+        default: gguf_regs(x, k, W, c0, 1, GGUF_CG, res); return;
         }
     }
-    for (int r = 0; r < Q41_ROWS; r++) res[r] = hsum8(acc[r]);
+    for (int j = 0; j < C; j++) {  /* the last columns, one at a time */
+        float v[GGUF_MR];
+        gguf_regs(x, k, W, c0 + j, R, 1, v);
+        for (int r = 0; r < R; r++) res[r * C + j] = v[r];
+    }
 }
-#define Q80_DOT_ROWS dot_q80_rows
-#else
-#define Q80_DOT_ROWS(...) ((void)0)
-#endif
 
-#define DEFINE_Q80(SUF, T)                                                                                     \
+static void gguf_tile_any(const float *x, const float *w, int64_t k, int R, int C, float *res) {
+    if (C == GGUF_NR) {
+        switch (R) {
+        case 4: gguf_tile(x, w, k, 4, GGUF_NR, res); return;
+        case 3: gguf_tile(x, w, k, 3, GGUF_NR, res); return;
+        case 2: gguf_tile(x, w, k, 2, GGUF_NR, res); return;
+        default: gguf_tile(x, w, k, 1, GGUF_NR, res); return;
+        }
+    }
+    switch (R) {
+    case 4: gguf_tile(x, w, k, 4, 1, res); return;
+    case 3: gguf_tile(x, w, k, 3, 1, res); return;
+    case 2: gguf_tile(x, w, k, 2, 1, res); return;
+    default: gguf_tile(x, w, k, 1, 1, res); return;
+    }
+}
+
+/* columns c0 .. c0 + nc of W decoded into wp [nc][k] (the weights gguf_block gives) */
+static void gguf_panel(const gguf_w *W, int64_t c0, int64_t nc, float *wp) {
+    int64_t k = 32 * W->nb;
+    for (int64_t j = 0; j < nc; j++)
+        for (int64_t b = 0; b < W->nb; b++) {
+            f8 w[4];
+            gguf_block(W, c0 + j, b, w);
+            for (int s = 0; s < 4; s++) f8_st(wp + j * k + 32 * b + 8 * s, w[s]);
+        }
+}
+
+/* out [m, n] (rows ldo apart) = xf [m, k] W^T (+ bias), stored through st(out + r * ldo + c, value). The
+ * dot8 sums of every output; bias added in float32 after. Returns 0 if the panel buffers cannot be
+ * allocated, else 1. */
+#define DEFINE_GGUF_LINEAR(SUF, T)                                                                             \
+static int gguf_linear_##SUF(const float *xf, int64_t m, int64_t k, const gguf_w *W, int64_t n, const T *bias,  \
+                             T *out, int64_t ldo) {                                                            \
+    int panels = m >= GGUF_GEMM_MIN_ROWS;                                                                      \
+    int64_t cols = panels ? GGUF_PANEL : GGUF_CG, ntask = (n + cols - 1) / cols;                               \
+    float *wbuf = NULL;                                                                                        \
+    if (panels) {                                                                                              \
+        wbuf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(GGUF_PANEL * k) * (size_t)MAX_THREADS());  \
+        if (!wbuf) return 0;                                                                                   \
+    }                                                                                                          \
+    _Pragma("omp parallel for schedule(static) if (m * n * k >= PAR_MIN_WORK)")                                \
+    for (int64_t t = 0; t < ntask; t++) {                                                                      \
+        int64_t c0 = t * cols, nc = n - c0 < cols ? n - c0 : cols;                                             \
+        float *wp = panels ? wbuf + (size_t)THREAD_ID() * (size_t)(GGUF_PANEL * k) : NULL;                     \
+        if (panels) gguf_panel(W, c0, nc, wp);                                                                 \
+        for (int64_t r = 0; r < m; r += GGUF_MR) {                                                             \
+            int R = m - r < GGUF_MR ? (int)(m - r) : GGUF_MR;                                                  \
+            int64_t step = panels ? GGUF_NR : GGUF_CG;                                                         \
+            for (int64_t j = 0; j < nc; j += step) {                                                           \
+                int C = nc - j < step ? (int)(nc - j) : (int)step;                                             \
+                float res[GGUF_MR * GGUF_CG];                                                                  \
+                int ld = C;                                                                                    \
+                if (panels) { gguf_tile_any(xf + r * k, wp + j * k, k, R, C, res); ld = GGUF_NR; }             \
+                else gguf_regs_any(xf + r * k, k, W, c0 + j, R, C, res);                                       \
+                for (int i = 0; i < R; i++)                                                                    \
+                    for (int jj = 0; jj < C; jj++) {                                                           \
+                        float v = res[i * ld + jj];                                                            \
+                        if (bias) v += LD_##SUF(bias + c0 + j + jj);                                           \
+                        ST_##SUF(out + (r + i) * ldo + c0 + j + jj, v);                                        \
+                    }                                                                                          \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    free(wbuf);                                                                                                \
+    return 1;                                                                                                  \
+}                                                                                                              \
+int q41_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *qs, const uint16_t *d,      \
+                     const uint16_t *mn, int64_t n, const T *bias, T *out, int64_t ldo) {                      \
+    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    if (!xf) return 0;                                                                                         \
+    gguf_w W = {GGUF_Q41, qs, d, mn, k / 32};                                                                  \
+    int ok = gguf_linear_##SUF(xf, m, k, &W, n, bias, out, ldo);                                               \
+    free(xf);                                                                                                  \
+    return ok;                                                                                                 \
+}                                                                                                              \
 int q80_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const uint16_t *d,        \
                      int64_t n, const T *bias, T *out, int64_t ldo) {                                          \
     float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
     if (!xf) return 0;                                                                                         \
-    int64_t nb = k / 32, ntask = (n + Q_COLS - 1) / Q_COLS;                                                    \
-    _Pragma("omp parallel for if (m * n * k >= PAR_MIN_WORK)")                                                 \
-    for (int64_t t = 0; t < ntask; t++)                                                                        \
-        for (int64_t c = t * Q_COLS; c < n && c < (t + 1) * Q_COLS; c++)                                       \
-            for (int64_t r = 0; r < m;) {                                                                      \
-                float v[Q41_ROWS];                                                                             \
-                int64_t nr = Q41_BLOCKED && m - r >= Q41_ROWS ? Q41_ROWS : 1;                                  \
-                if (nr > 1)                                                                                    \
-                    Q80_DOT_ROWS(xf + r * k, k, q + c * k, d + c * nb, nb, v);                                 \
-                else                                                                                           \
-                    v[0] = dot_q80(xf + r * k, q + c * k, d + c * nb, nb);                                     \
-                for (int64_t i = 0; i < nr; i++, r++) {                                                        \
-                    if (bias) v[i] += LD_##SUF(bias + c);                                                      \
-                    ST_##SUF(out + r * ldo + c, v[i]);                                                         \
-                }                                                                                              \
-            }                                                                                                  \
+    gguf_w W = {GGUF_Q80, (const uint8_t *)q, d, NULL, k / 32};                                                \
+    int ok = gguf_linear_##SUF(xf, m, k, &W, n, bias, out, ldo);                                               \
     free(xf);                                                                                                  \
-    return 1;                                                                                                  \
+    return ok;                                                                                                 \
 }
 
-DEFINE_Q80(f32, float)
-DEFINE_Q80(bf16, uint16_t)
+DEFINE_GGUF_LINEAR(f32, float)
+DEFINE_GGUF_LINEAR(bf16, uint16_t)
 
 /* ---- Dequantising a tile of output rows (the product of larger batches runs in the GEMM library) ----
  * Rows [0, n) of a GGUF block tensor to float32 w [n, k]: Q4_1 m + d * code, Q8_0 d * code (products in
