@@ -1,7 +1,9 @@
 """Tool calls through a real server (the bundled SmolLM2 with ``--tool-call-parser smollm2``): the
 openai SDK's two-turn tool loop (a forced call, the tool's result in the history, the answer),
 ``required`` and named functions whose arguments always parse and match the schema (also with n=2 and
-streamed as OpenAI's deltas), ``auto`` read by the parser, ``none``, and bad tool specs as 400s."""
+streamed as OpenAI's deltas: the arguments in several pieces that concatenate to the non-streamed
+reply's), ``auto`` read by the parser (streamed: the same content and calls), ``none``, and bad tool
+specs as 400s."""
 
 from __future__ import annotations
 
@@ -73,24 +75,47 @@ def test_named_function_n2_seeded(client, model):
         _check_weather_args(call.function.arguments)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_tool_call_deltas(client, model, tool_choice):
-    stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice,
-                                            max_tokens=80, temperature=0, stream=True)
-    calls: dict[int, dict] = {}
-    reasons = []
+def _streamed(stream):
+    """(content, calls, finish reasons) of a streamed chat reply; a call is {"name", "id", "pieces"}:
+    its header delta once (index, id, type, name), then its argument pieces."""
+    content, calls, reasons = "", {}, []
     for chunk in stream:
         for ch in chunk.choices:
             reasons.append(ch.finish_reason)
+            content += ch.delta.content or ""
             for d in ch.delta.tool_calls or []:
                 if d.id is not None:
-                    assert d.index not in calls and d.type == "function" and d.function.name == "get_weather"
-                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                    assert d.index == len(calls) and d.type == "function" and d.function.name
+                    assert d.function.arguments == ""
+                    calls[d.index] = {"name": d.function.name, "id": d.id, "pieces": []}
                 else:
-                    assert d.function.name is None
-                calls[d.index]["arguments"] += d.function.arguments or ""
-    assert reasons[-1] == "tool_calls" and list(calls) == [0]
-    _check_weather_args(calls[0]["arguments"])
+                    assert d.function.name is None and d.function.arguments
+                    calls[d.index]["pieces"].append(d.function.arguments)
+    return content, calls, reasons
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_call_deltas(client, model, tool_choice):
+    kw = dict(model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, max_tokens=80, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, reasons = _streamed(client.chat.completions.create(**kw, stream=True))
+    assert reasons[-1] == whole.finish_reason == "tool_calls" and list(calls) == [0] and not content
+    (want,) = whole.message.tool_calls
+    assert calls[0]["name"] == want.function.name == "get_weather"
+    assert len(calls[0]["pieces"]) > 1  # the arguments went out as the model wrote them, not at the end
+    assert "".join(calls[0]["pieces"]) == want.function.arguments
+    _check_weather_args(want.function.arguments)
+
+
+def test_streamed_auto_equals_the_whole_reply(client, model):
+    kw = dict(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    content, calls, reasons = _streamed(client.chat.completions.create(**kw, stream=True))
+    assert reasons[-1] == whole.finish_reason
+    want = whole.message.tool_calls or []
+    assert [(c["name"], "".join(c["pieces"])) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in want]
+    assert content.strip() == (whole.message.content or "").strip()
 
 
 def test_auto_is_read_by_the_parser(http):

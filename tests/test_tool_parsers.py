@@ -5,6 +5,7 @@ that concatenate to the call's JSON — for every way of cutting the reply into 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -129,3 +130,113 @@ def test_auto_without_parallel_calls_keeps_the_first():
     assert [c.function.name for c in calls] == ["a"] and reason == "tool_calls"
     _, deltas, _ = _stream(plan, [text, ""])
     assert _assemble(deltas) == [("a", {})]
+
+
+def _tokens(text):
+    """A scripted token stream: words, runs of spaces and single punctuation marks, as a BPE tokenizer
+    would cut JSON (no model needed)."""
+    return re.findall(r"\s+|\w+|[^\w\s]", text)
+
+
+def _incremental(plan, pieces):
+    """Feeds ``pieces`` one by one; per call (index) its header delta and the argument pieces, each
+    with the number of pieces fed when it came out."""
+    ts = ToolStream(plan)
+    content, calls = "", {}
+    for i, p in enumerate(pieces):
+        c, deltas = ts.feed(p, i == len(pieces) - 1)
+        content += c
+        for d in deltas:
+            if d.id is not None:
+                assert d.index == len(calls) and d.type == "function" and d.function.arguments == ""
+                calls[d.index] = {"name": d.function.name, "id": d.id, "pieces": []}
+            else:
+                assert d.function.name is None and d.id is None and d.function.arguments
+                calls[d.index]["pieces"].append((i, d.function.arguments))
+    return content, calls, ts.finish_reason("stop")
+
+
+ARGS = '{"city": "Oslo", "unit": "celsius", "days": [1, 2], "note": "a } and a \\" inside"}'
+STREAMED = [
+    ("hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + '}\n</tool_call>\n'
+     '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'),
+    ("smollm2", '<tool_call>[\n{"name": "get_weather", "arguments": ' + ARGS + '},\n{"name": "get_time", '
+     '"arguments": {"tz": "UTC"}}\n]</tool_call>'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": ' + ARGS + '}; {"name": "get_time", '
+     '"parameters": {"tz": "UTC"}}'),
+    ("required", '[{"name": "get_weather", "parameters": ' + ARGS + '}, {"name": "get_time", "parameters": '
+     '{"tz": "UTC"}}]'),
+]
+
+
+def _plan(name, parallel=True):
+    if name == "required":
+        return ToolPlan("required")
+    return ToolPlan("auto", parser=make_parser(name), parallel=parallel)
+
+
+@pytest.mark.parametrize("name, text", STREAMED, ids=[n for n, _ in STREAMED])
+def test_arguments_stream_in_pieces_as_written(name, text):
+    pieces = _tokens(text) + [""]
+    assert "".join(pieces) == text
+    plan = _plan(name)
+    content, calls, reason = _incremental(plan, pieces)
+    want_content, want, want_reason = plan.reply(text, "stop")
+    assert reason == want_reason == "tool_calls" and content.strip() == (want_content or "")
+    assert [c["name"] for c in calls.values()] == [c.function.name for c in want] == ["get_weather", "get_time"]
+    assert len({c["id"] for c in calls.values()}) == 2
+    for got, w in zip(calls.values(), want):
+        args = "".join(p for _, p in got["pieces"])
+        assert args == w.function.arguments and json.loads(args) is not None
+    # the first call's arguments went out token by token, all of them before the text after them
+    first = calls[0]["pieces"]
+    assert len(first) == len(_tokens(ARGS))
+    end_of_args = len(_tokens(text[:text.index(ARGS) + len(ARGS)]))
+    assert first[-1][0] == end_of_args - 1 and "".join(p for _, p in first) == ARGS
+
+
+@pytest.mark.parametrize("name, text", STREAMED, ids=[n for n, _ in STREAMED])
+@pytest.mark.parametrize("cut", [1, 3, 8])
+def test_streamed_calls_equal_the_whole_reply_for_any_cut(name, text, cut):
+    pieces = [text[i:i + cut] for i in range(0, len(text), cut)] + [""]
+    plan = _plan(name)
+    _, calls, _ = _incremental(plan, pieces)
+    _, want, _ = plan.reply(text, "stop")
+    assert [(c["name"], "".join(p for _, p in c["pieces"])) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in want]
+
+
+def test_a_call_in_another_key_order_goes_out_whole_at_the_end():
+    text = '<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call>'
+    plan = _plan("hermes")
+    _, calls, reason = _incremental(plan, _tokens(text) + [""])
+    (call,) = calls.values()
+    assert {i for i, _ in call["pieces"]} == {len(_tokens(text))}  # all with the final piece
+    assert "".join(p for _, p in call["pieces"]) == plan.reply(text, "stop")[1][0].function.arguments
+    assert reason == "tool_calls"
+
+
+def test_without_parallel_calls_only_the_first_streams():
+    plan = _plan("smollm2", parallel=False)
+    text = STREAMED[1][1]
+    _, calls, _ = _incremental(plan, _tokens(text) + [""])
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    assert "".join(p for _, p in calls[0]["pieces"]) == ARGS
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", "Plain text, a <tag> and a { brace."),
+    ("llama3_json", 'The answer is {"a": 1}.'),
+    ("llama3_json", '{"answer": 42}'),
+    ("smollm2", '<tool_call>not json</tool_call> after'),
+])
+def test_text_without_a_call_streams_as_content(name, text):
+    content, calls, reason = _incremental(_plan(name), _tokens(text) + [""])
+    assert content == text and calls == {} and reason == "stop"
+
+
+def test_a_reply_cut_inside_a_call_keeps_what_was_sent():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Os'
+    content, calls, _ = _incremental(_plan("hermes"), _tokens(text) + [""])
+    assert content == "" and calls[0]["name"] == "get_weather"
+    assert "".join(p for _, p in calls[0]["pieces"]) == '{"city": "Os'

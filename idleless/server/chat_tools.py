@@ -7,9 +7,10 @@ lets the model answer and reads calls with the server's parser (``--tool-call-pa
 template that ignores tools is replaced, for ChatML templates, by ``SMOLLM2_TOOLS_TEMPLATE``.
 
 ``ToolStream``: one choice's streamed reply as OpenAI's deltas: content while it is surely not a call,
-then per call a delta with its index, id, type and name and ``arguments: ""``, then the arguments in
-pieces that concatenate to its JSON. ``finish_reason`` is ``tool_calls`` when a reply that ended
-normally (``stop``) called a tool.
+then per call (index 0, 1, ...) a delta with its index, id, type and name and ``arguments: ""`` as
+soon as the name is written, then the arguments in pieces as the model writes them, which
+concatenate to the non-streamed reply's ``arguments``. ``finish_reason`` is ``tool_calls`` when a
+reply that ended normally (``stop``) called a tool.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from idleless.engine.request import SamplingParams
 from idleless.server import constraints
 from idleless.server.protocol import (APIError, ChatCompletionRequest, FunctionCallDelta, FunctionCallOut,
                                       ToolCallDelta, ToolCallOut)
-from idleless.server.tool_calls import (SMOLLM2_TOOLS_TEMPLATE, ToolCall, ToolParser, calls_of_required,
-                                        named_schema, required_schema)
+from idleless.server.tool_calls import (SMOLLM2_TOOLS_TEMPLATE, CallPiece, CallStreamer, ToolCall, ToolParser,
+                                        calls_of_required, named_schema, required_schema, required_streamer)
 
 ARGUMENT_PIECE = 16  # characters of arguments per streamed delta when a call is sent whole
 
@@ -100,14 +101,23 @@ def _whole(index: int, call: ToolCall) -> list[ToolCallDelta]:
 
 
 class ToolStream:
-    """One choice's reply, streamed under a ``ToolPlan`` (module docstring)."""
+    """One choice's reply, streamed under a ``ToolPlan`` (module docstring). ``auto`` and
+    ``required`` read the calls with a ``CallStreamer`` as the text grows: content goes out until
+    the tool-call part begins (``ToolParser.split`` / ``begin``); each call's header once its name is
+    known, then its arguments as the model writes them. When the reply ends, the calls the streamer
+    could not follow (another shape than name-first) go out whole from the reply's parse, then the
+    content outside the calls. A call whose header went out stays a call: a reply cut short inside
+    one (``length``) has sent the arguments written so far."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.buf = ""
         self.sent = 0  # characters of buf already sent as content
-        self.num_calls = 0
-        self.named_id: Optional[str] = None
+        self.tool_at: Optional[int] = None  # where the tool-call part of buf begins, once known
+        self.streamer: Optional[CallStreamer] = None
+        self.ids: list[str] = []  # the ids of the calls whose header went out, in order
+        if plan.mode == "required":
+            self.tool_at, self.streamer = 0, required_streamer()
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         """(content, tool-call deltas) to send for the next piece of the reply; ``final``: the last one."""
@@ -116,34 +126,48 @@ class ToolStream:
             return text, []
         if mode == "named":
             deltas = []
-            if self.named_id is None:
-                self.named_id = ToolCall.new(self.plan.name, "").id
-                self.num_calls = 1
-                deltas.append(ToolCallDelta(index=0, id=self.named_id, type="function",
+            if not self.ids:
+                self.ids.append(ToolCall.new(self.plan.name, "").id)
+                deltas.append(ToolCallDelta(index=0, id=self.ids[0], type="function",
                                             function=FunctionCallDelta(name=self.plan.name, arguments="")))
             if text:
                 deltas.append(ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text)))
             return "", deltas
         self.buf += text
-        if mode == "required":
-            if not final:
-                return "", []
-            calls = calls_of_required(self.buf)
-            return ("" if calls else self.buf), self._deltas(calls)
+        content = ""
+        if self.tool_at is None:
+            t = self.plan.parser.begin(self.buf)
+            k = max(self.plan.parser.split(self.buf) if t is None else t, self.sent)
+            content, self.sent = self.buf[self.sent:k], k
+            if t is None and not final:
+                return content, []
+            if t is not None:
+                self.tool_at = t
+                self.streamer = self.plan.parser.streamer(None if self.plan.parallel else 1)
+        deltas = self._pieces(self.streamer.feed(self.buf[self.tool_at:])) if self.streamer else []
         if not final:
-            k = max(self.plan.parser.split(self.buf), self.sent)
-            piece, self.sent = self.buf[self.sent:k], k
-            return piece, []
+            return content, deltas
         rest = self.buf[self.sent:]
-        content, calls = self.plan.parse(rest)
-        return (content if calls else rest), self._deltas(calls)
+        if mode == "required":
+            calls = calls_of_required(rest)
+            left = "" if calls else rest
+        else:
+            left, calls = self.plan.parse(rest)  # left: the text outside the calls, all of rest without any
+        for c in calls[len(self.ids):]:
+            deltas += _whole(len(self.ids), c)
+            self.ids.append(c.id)
+        return content + ("" if self.ids and not calls else left), deltas
 
-    def _deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
+    def _pieces(self, pieces: list[CallPiece]) -> list[ToolCallDelta]:
         out = []
-        for c in calls:
-            out += _whole(self.num_calls, c)
-            self.num_calls += 1
+        for p in pieces:
+            if p.name is not None:
+                self.ids.append(ToolCall.new(p.name, "").id)
+                out.append(ToolCallDelta(index=p.index, id=self.ids[-1], type="function",
+                                         function=FunctionCallDelta(name=p.name, arguments="")))
+            else:
+                out.append(ToolCallDelta(index=p.index, function=FunctionCallDelta(arguments=p.arguments)))
         return out
 
     def finish_reason(self, reason: Optional[str]) -> Optional[str]:
-        return "tool_calls" if self.num_calls and reason == "stop" else reason
+        return "tool_calls" if self.ids and reason == "stop" else reason
