@@ -242,3 +242,90 @@ def test_prefill_engine_answers_where_to_pull_and_fan_out_carries_the_params():
     params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1}
     reqs = [r for _, r in fan_out("b", [[5, 6], [7]], SamplingParams(n=2), None, 0, params)]
     assert len(reqs) == 4 and all(r.kv_transfer_params == params for r in reqs)
+
+
+def test_the_transfer_thread_sends_while_the_prefix_stays_locked_until_the_step_thread_unlocks(
+        model_dir, colocated, prefill):
+    """The pull is matched and locked on P's step thread, then sent with no further step of P; the
+    prefix stays locked (a flush or memory release must wait: has_work) until P's next between-step
+    call unlocks it."""
+    decode = _core(model_dir, disaggregation_mode="decode")
+    ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+    colocated.flush_cache()
+    prefill.flush_cache()
+    _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+    cache = prefill.scheduler.cache
+    assert cache.protected_size == 0
+    sent_before = prefill.kv_connector.stats()["bytes_sent"]
+    decode.add_request(Request("d", PROMPT, _params(), kv_transfer_params=_remote(prefill)))
+    deadline = time.monotonic() + 20
+    while prefill.kv_connector.stats()["num_in_flight"] == 0:  # the pull reaches P's step thread
+        assert time.monotonic() < deadline
+        prefill.step()
+    assert cache.protected_size > 0 and prefill.has_work()
+    while decode.kv_connector.stats()["num_pending"]:  # P does not step: its transfer thread sends
+        assert time.monotonic() < deadline, "the transfer thread did not send"
+        decode.step()
+    assert decode.kv_connector.stats()["num_transfers"] == 1
+    assert cache.protected_size > 0 and prefill.has_work()  # unlocked on the step thread only
+    got = _run([decode, prefill], [])
+    assert cache.protected_size == 0 and not prefill.has_work()
+    assert _tokens(got, "d") == _tokens(ref, "c")
+    st = prefill.kv_connector.stats()
+    assert st["num_in_flight"] == 0
+    assert st["bytes_sent"] - sent_before == decode.kv_connector.stats()["bytes_received"]
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def test_ttft_split_has_four_disjoint_parts_within_the_measured_ttft(model_dir, prefill):
+    """With a router's transfer_id, P times the request and sends its queue and prefill seconds with
+    the KV; D adds transfer and first decode. The parts are disjoint intervals of [arrival at P, D's
+    first token], so on one clock (one process here) their sum is at most that span."""
+    decode = _core(model_dir, disaggregation_mode="decode")
+    prefill.flush_cache()
+    t_arrival = time.monotonic()
+    p_req = Request("p", PROMPT, _params(1), kv_transfer_params={"do_remote_decode": True, "transfer_id": "t-1"})
+    assert p_req.arrival_time >= t_arrival
+    _run([prefill], [(prefill, [p_req])])
+    params = {**_remote(prefill), "transfer_id": "t-1"}
+    decode.add_request(Request("d", PROMPT, _params(), kv_transfer_params=params))
+    first_token_at = None
+    deadline = time.monotonic() + 60
+    while decode.has_work() or prefill.has_work():
+        assert time.monotonic() < deadline
+        for core in (decode, prefill):
+            for o in core.step():
+                if o.rid == "d" and o.new_token_ids and first_token_at is None:
+                    first_token_at = time.monotonic()
+    split = decode.kv_connector.stats()["ttft_split"]
+    assert split["count"] == 1
+    (rec,) = split["recent"]
+    parts = [rec[k] for k in ("queue_s", "prefill_s", "transfer_s", "first_decode_s")]
+    assert all(v is not None and v >= 0 for v in parts), rec
+    assert rec["prefill_s"] > 0 and rec["transfer_s"] > 0 and rec["first_decode_s"] > 0
+    assert sum(parts) <= first_token_at - p_req.arrival_time
+    assert all(split["observed"][p] == 1 for p in ("queue", "prefill", "transfer", "first_decode"))
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def test_split_stats_buckets_and_peer_timings():
+    from idleless.disagg import timing
+    s = timing.SplitStats(keep=2)
+    values = [0.003, 0.3, 7.0]
+    for v in values:
+        s.add({"queue_s": v, "prefill_s": None, "transfer_s": v, "first_decode_s": 2 * v})
+    snap = s.snapshot()
+    for i, bound in enumerate(timing.BUCKETS):  # cumulative counts, by brute force
+        assert snap["counts"]["queue"][i] == sum(v <= bound for v in values)
+        assert snap["counts"]["first_decode"][i] == sum(2 * v <= bound for v in values)
+    assert snap["count"] == 3 and snap["observed"]["prefill"] == 0 and snap["observed"]["transfer"] == 3
+    assert snap["sums"]["transfer"] == sum(values) and len(snap["recent"]) == 2
+    assert timing.prefill_parts(10.0, 12.5, 13.0) == {"queue_s": 2.5, "prefill_s": 0.5}
+    assert timing.valid_prefill_parts({"queue_s": 1, "prefill_s": 0.25}) == {"queue_s": 1.0, "prefill_s": 0.25}
+    for bad in (None, [], {"queue_s": 1}, {"queue_s": -1, "prefill_s": 0}, {"queue_s": True, "prefill_s": 0},
+                {"queue_s": float("inf"), "prefill_s": 0}, {"queue_s": "1", "prefill_s": 0}):
+        assert timing.valid_prefill_parts(bad) is None

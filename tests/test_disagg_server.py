@@ -123,6 +123,36 @@ def test_streamed_chat_through_pd_equals_the_unstreamed_answer(pd):
     assert text == whole.json()["choices"][0]["message"]["content"]
 
 
+def test_ttft_split_of_a_streamed_request_fits_in_the_ttft_the_client_saw(pd):
+    """Queue and prefill (timed by the prefill server), transfer and first decode (the decode server):
+    present, >= 0, and summing to at most the client's TTFT (plus 50 ms for the HTTP hops' clock
+    reads; the parts are disjoint intervals of the request's life). The router's /metrics shows them."""
+    p, d, url = pd
+    before = _kv(d)["ttft_split"]["count"]
+    prompt = [5000 + i for i in range(120)]
+    t0 = time.monotonic()
+    ttft = None
+    with httpx.stream("POST", url + "/v1/completions", timeout=300,
+                      json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+                ttft = time.monotonic() - t0
+    split = _kv(d)["ttft_split"]
+    assert split["count"] == before + 1
+    rec = split["recent"][-1]
+    parts = [rec[k] for k in ("queue_s", "prefill_s", "transfer_s", "first_decode_s")]
+    assert all(v is not None and v >= 0 for v in parts), rec
+    assert sum(parts) <= ttft + 0.05, (rec, ttft)
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    for part in ("queue", "prefill", "transfer", "first_decode"):
+        assert f'idleless_router_pd_ttft_{part}_seconds_count{{worker="{d.url}"}}' in metrics
+    mine = ("idleless_router_pd_ttft_seconds_count", "idleless_router_pd_prefill_leg_seconds_count")
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith(mine)}
+    assert counts["idleless_router_pd_ttft_seconds_count"] >= 1  # this streamed request (and the chat one)
+    assert counts["idleless_router_pd_prefill_leg_seconds_count"] >= 1
+
+
 def test_a_dead_prefill_server_falls_back_to_decode_side_prefill(pd):
     p, d, url = pd
     p.stop(signal.SIGKILL)

@@ -8,8 +8,10 @@ prefill server and a decode server with half the threads each behind ``idleless 
 --pd-disaggregation``, and drives each with the same ``idleless bench serving`` run (the random
 workload: long prompts arriving while others decode) at every request rate. Reports TTFT p50/p99,
 ITL p99, TPOT p50 and goodput (requests/s meeting every ``--slo`` bound: DistServe's metric), and for
-(b) the KV bytes the decode server pulled and their rate, next to a loopback copy rate. Servers are
-stopped between setups; the prefix caches are flushed before every run.
+(b) the TTFT split (queue, prefill, transfer, first decode: p50/p99 ms, ``idleless.disagg.timing``)
+and the KV bytes the decode server pulled with two rates next to a loopback copy rate: end to end as
+the decode server sees it (pull sent -> KV in its pool) and the prefill server's transfer thread's
+copy and send alone. Servers are stopped between setups; the prefix caches are flushed before every run.
 
 Extra server flags go in ``--server-args`` (e.g. ``"--dtype float32"``). Every figure names the CPU.
 """
@@ -129,6 +131,42 @@ def _kv_transfer(url: str) -> dict:
         return {}
 
 
+def _percentile(values: list[float], q: float) -> Optional[float]:
+    """The ``q``-quantile (0..1) by linear interpolation between order statistics; None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def split_summary(before: dict, after: dict) -> dict:
+    """p50/p99 in ms of each TTFT part over the requests between two ``ttft_split`` snapshots (those
+    still in ``recent``); ``split_n``: how many."""
+    n = (after.get("count") or 0) - (before.get("count") or 0)
+    recs = (after.get("recent") or [])[-n:] if n > 0 else []
+    out: dict = {"split_n": len(recs)}
+    for part in ("queue", "prefill", "transfer", "first_decode"):
+        vals = [r[part + "_s"] * 1e3 for r in recs if r.get(part + "_s") is not None]
+        out[f"{part}_p50_ms"], out[f"{part}_p99_ms"] = _percentile(vals, 0.5), _percentile(vals, 0.99)
+    return out
+
+
+def transfer_summary(d0: dict, d1: dict, p0: dict, p1: dict) -> dict:
+    """KV bytes and rates between two readings of the decode (``d``) and prefill (``p``) servers'
+    ``kv_transfer`` stats."""
+    b = d1.get("bytes_received", 0) - d0.get("bytes_received", 0)
+    s = d1.get("seconds", 0.0) - d0.get("seconds", 0.0)
+    pb = p1.get("bytes_sent", 0) - p0.get("bytes_sent", 0)
+    ps = p1.get("seconds", 0.0) - p0.get("seconds", 0.0)
+    return {"kv_bytes": b, "kv_transfer_s": round(s, 4), "kv_gb_per_s": round(b / s / 1e9, 3) if s else None,
+            "kv_send_s": round(ps, 4), "kv_send_gb_per_s": round(pb / ps / 1e9, 3) if ps else None,
+            "kv_send_wait_s": round(p1.get("wait_seconds", 0.0) - p0.get("wait_seconds", 0.0), 4),
+            "kv_fallbacks": d1.get("num_fallbacks", 0) - d0.get("num_fallbacks", 0)}
+
+
 def _row(setup: str, rate: float, result: dict, extra: Optional[dict] = None) -> dict:
     m = result["metrics"]
 
@@ -169,18 +207,18 @@ def run_setup(args, setup: str, log_dir: Path) -> list[dict]:
             url, decode_url = f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{dp}"
             wait_healthy(url, procs, 60)
         for rate in args.rates:
+            prefill_url = None
             if setup != "colocated":
+                prefill_url = f"http://127.0.0.1:{pp}"
                 _flush(decode_url)
-                _flush(url.replace(str(rp), str(pp)))
-            before = _kv_transfer(decode_url)
+                _flush(prefill_url)
+            d0, p0 = _kv_transfer(decode_url), _kv_transfer(prefill_url) if prefill_url else {}
             result, _, _ = asyncio.run(serving.run_benchmark(_serving_args(args, url, rate)))
-            after = _kv_transfer(decode_url)
+            d1, p1 = _kv_transfer(decode_url), _kv_transfer(prefill_url) if prefill_url else {}
             kv = {}
-            if after:
-                b = after.get("bytes_received", 0) - before.get("bytes_received", 0)
-                s = after.get("seconds", 0.0) - before.get("seconds", 0.0)
-                kv = {"kv_bytes": b, "kv_transfer_s": round(s, 4), "kv_gb_per_s": round(b / s / 1e9, 3) if s else None,
-                      "kv_fallbacks": after.get("num_fallbacks", 0) - before.get("num_fallbacks", 0)}
+            if d1:
+                kv = {**transfer_summary(d0, d1, p0, p1),
+                      **split_summary(d0.get("ttft_split") or {}, d1.get("ttft_split") or {})}
             rows.append(_row(setup, rate, result, kv))
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -221,13 +259,23 @@ def main(args: argparse.Namespace) -> int:
               "command": "idleless bench pd " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
               "loopback_copy_gb_per_s": round(loopback_copy_gbps(), 2), "rows": rows}
     print(f"\nCPU: {result['cpu']}; loopback copy {result['loopback_copy_gb_per_s']} GB/s")
-    print("| setup | rate | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | TPOT p50 ms | goodput req/s | out tok/s | KV GB/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    f = (lambda v: "n/a" if v is None else f"{v:.3g}")
+    print("| setup | rate | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | TPOT p50 ms | goodput req/s | out tok/s | "
+          "KV GB/s (pull) | KV GB/s (send) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        f = (lambda v: "n/a" if v is None else f"{v:.3g}")
         print(f"| {r['setup']} | {r['request_rate']} | {f(r['ttft_p50_ms'])} | {f(r['ttft_p99_ms'])} | "
               f"{f(r['itl_p99_ms'])} | {f(r['tpot_p50_ms'])} | {f(r['goodput_rps'])} | {f(r['output_tok_s'])} | "
-              f"{f(r.get('kv_gb_per_s'))} |")
+              f"{f(r.get('kv_gb_per_s'))} | {f(r.get('kv_send_gb_per_s'))} |")
+    split_rows = [r for r in rows if r.get("split_n")]
+    if split_rows:
+        print("\nTTFT split (ms, p50 / p99), disaggregated requests:")
+        print("| rate | n | queue | prefill | transfer | first decode |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in split_rows:
+            cells = " | ".join(f"{f(r[part + '_p50_ms'])} / {f(r[part + '_p99_ms'])}"
+                               for part in ("queue", "prefill", "transfer", "first_decode"))
+            print(f"| {r['request_rate']} | {r['split_n']} | {cells} |")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from idleless.cache.base import CacheHandle
-from idleless.disagg import wire
+from idleless.disagg import timing, wire
 from idleless.disagg.connector import KVConnector
 from idleless.engine.admission import check_request
 from idleless.engine.messages import ErrorOutput
@@ -44,7 +44,15 @@ class _Pull:
     sock: Any
     peer: str
     deadline: float
-    t0: float
+    sent: float  # time.monotonic() when the pull went out
+
+
+@dataclass(eq=False)
+class _Split:
+    """A request queued after its transfer, until its first token (``timing``)."""
+    rec: Any  # the scheduler's RequestRecord
+    record: dict  # queue_s / prefill_s (from the prefill engine, or None), transfer_s
+    imported: float  # time.monotonic() when its KV was in the pool
 
 
 def remote_endpoint(params: dict) -> str:
@@ -83,6 +91,8 @@ class DecodeConnector(KVConnector):
         self.ctx = zmq.Context.instance()
         self.pending: dict[str, _Pull] = {}
         self.queued: dict[str, CacheHandle] = {}  # rid -> the imported prefix, locked until admission
+        self.splits: dict[str, _Split] = {}  # rid -> TTFT split waiting for its first token
+        self.split_stats = timing.SplitStats()
         self._outputs: list[RequestOutput] = []
         self.counters = {"num_pulls": 0, "num_transfers": 0, "num_tokens_received": 0, "bytes_received": 0,
                          "seconds": 0.0, "num_fallbacks": 0, "num_errors": 0, "num_skipped_tokens": 0}
@@ -107,10 +117,12 @@ class DecodeConnector(KVConnector):
         sock.connect(peer)
         header = {"rid": req.rid, "token_ids": list(req.prompt_ids), "skip": handle.cached_len, "want": want,
                   "layout": self.layout}
+        tid = params.get("transfer_id")
+        if isinstance(tid, str) and tid:
+            header["transfer_id"] = tid  # the prefill engine's queue and prefill seconds come back with it
         sock.send_multipart([wire.PULL, wire.encode_header(header)])
         now = time.monotonic()
-        self.pending[req.rid] = _Pull(req, handle, handle.cached_len, want, sock, peer, now + self.timeout_s,
-                                      time.perf_counter())
+        self.pending[req.rid] = _Pull(req, handle, handle.cached_len, want, sock, peer, now + self.timeout_s, now)
         self.counters["num_pulls"] += 1
         self.counters["num_skipped_tokens"] += handle.cached_len
         return True
@@ -133,6 +145,8 @@ class DecodeConnector(KVConnector):
     # -- between steps ---------------------------------------------------------------------------
     def poll(self, core) -> None:
         self._release_admitted()
+        if self.splits:
+            self._first_tokens()
         if not self.pending:
             return
         poller = zmq.Poller()
@@ -187,12 +201,16 @@ class DecodeConnector(KVConnector):
             return
         del self.pending[p.req.rid]
         p.sock.close(0)
+        imported = time.monotonic()
         c = self.counters
         c["num_transfers"] += 1
         c["num_tokens_received"] += n
         c["bytes_received"] += sum(t.numel() * t.element_size() for t in tensors)
-        c["seconds"] += time.perf_counter() - p.t0
-        self._queue(p.req, handle)
+        c["seconds"] += imported - p.sent
+        rec = self._queue(p.req, handle)
+        if rec is not None:
+            parts = timing.valid_prefill_parts(head.get("prefill_timing")) or {"queue_s": None, "prefill_s": None}
+            self.splits[p.req.rid] = _Split(rec, {**parts, "transfer_s": imported - p.sent}, imported)
 
     def _tensors(self, frames, n: int) -> list[torch.Tensor]:
         L, H, D = self.layout["num_layers"], self.layout["num_kv_heads"], self.layout["head_dim"]
@@ -229,7 +247,8 @@ class DecodeConnector(KVConnector):
         cache.unlock(p.handle)
         return handle
 
-    def _queue(self, req: Request, handle: Optional[CacheHandle]) -> None:
+    def _queue(self, req: Request, handle: Optional[CacheHandle]):
+        """Hand ``req`` to the scheduler; its RequestRecord, or None when refused (the request ends)."""
         try:
             self.sched.add_request(req)
         except RequestError as e:
@@ -237,9 +256,19 @@ class DecodeConnector(KVConnector):
                 self.sched.cache.unlock(handle)
             self._outputs.append(ErrorOutput(req.rid, [], FinishReason.ABORT, error=str(e), code=e.code,
                                              param=getattr(e, "param", None)))
-            return
+            return None
         if handle is not None:
             self.queued[req.rid] = handle
+        return self.sched.waiting[-1]
+
+    def _first_tokens(self) -> None:
+        """Complete the TTFT split of the requests whose first token came (aborted ones are dropped)."""
+        for rid, sp in list(self.splits.items()):
+            if sp.rec.first_token_time is not None:
+                del self.splits[rid]
+                self.split_stats.add({**sp.record, "first_decode_s": max(0.0, sp.rec.first_token_time - sp.imported)})
+            elif sp.rec.finish_reason is not None:
+                del self.splits[rid]
 
     def _release_admitted(self) -> None:
         if not self.queued:
@@ -269,6 +298,7 @@ class DecodeConnector(KVConnector):
         d = dict(self.counters)
         d["mode"] = self.mode
         d["num_pending"] = len(self.pending)
+        d["ttft_split"] = self.split_stats.snapshot()
         d["gb_per_s"] = d["bytes_received"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
         return d
 

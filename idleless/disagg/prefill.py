@@ -3,96 +3,287 @@
 The prefill engine keeps no per-request transfer state: a prompt it has prefilled is in its radix
 tree, and a pull names token ids, so serving one is a prefix match and a copy of the matched slots
 (``wire`` describes the messages). A prefix evicted before the pull arrives is simply not sent (the
-decode engine recomputes it). Pulls are served after every step and whenever they wake the idle loop.
+decode engine recomputes it).
+
+Two threads share the work, so a pull does not wait for the step loop to copy and send:
+- the transfer thread owns the ZMQ ROUTER socket: it receives pulls, refuses malformed ones itself,
+  and copies and sends the KV of the slots it is handed;
+- the step thread (between steps: ``poll``; the transfer thread wakes the idle loop through
+  ``wake_sockets``) matches a pull's tokens in the radix tree and locks the matched prefix, hands the
+  slots to the transfer thread, and unlocks the prefix once the transfer thread reports it sent.
+So the tree is only ever touched by the step thread, and the transfer thread only reads slots that
+are committed and locked (no step writes or frees them until the unlock): ``KVPool``'s one-owner rule
+holds, the tree owning those slots throughout.
+
+For the TTFT split (``timing``) the connector times the requests a router sent with a
+``transfer_id``: their queue and prefill seconds go into the header of the pull that names that id.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
+import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import zmq
 
-from idleless.disagg import wire
+from idleless.cache.base import CacheHandle
+from idleless.disagg import timing, wire
 from idleless.disagg.connector import KVConnector
+from idleless.engine.request import Request
 
 log = logging.getLogger("idleless.disagg")
+
+_KEEP_TIMINGS = 4096  # prefill timings kept for pulls still to come (oldest dropped first)
+_instances = itertools.count()
+
+
+def _signal(sock) -> None:
+    """Wake the other thread; a full queue of wake-ups means one is already pending."""
+    try:
+        sock.send(b"", zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
+@dataclass(eq=False)
+class _Job:
+    """A pull matched and locked on the step thread, for the transfer thread to send."""
+    ident: bytes
+    header: dict
+    slots: Any  # int64 [n] pool slots, committed and locked in the tree
+    handle: Optional[CacheHandle]  # the locked prefix (None when nothing is sent)
+    t_recv: float  # perf_counter when the transfer thread received the pull
+
+
+@dataclass(eq=False)
+class _Timed:
+    """A request whose queue and prefill seconds are measured (it has a ``transfer_id``)."""
+    rec: Any  # the scheduler's RequestRecord
+    transfer_id: str
+    added: float  # time.monotonic() when the engine core got it
+    admitted: Optional[float] = None
 
 
 class PrefillConnector(KVConnector):
     """Binds a ZMQ ROUTER on ``tcp://host:port`` (``--disaggregation-bootstrap-host/-port``) and
     answers ``PULL`` messages from decode engines with the KV of the longest cached prefix of the
-    named tokens past ``skip``. Malformed messages are answered with ``ERR`` (or dropped when not even
-    the envelope parses) and counted; they never reach the engine. ``address``: the bound endpoint,
-    ``port`` its port. Raises zmq.ZMQError when the port is taken."""
+    named tokens past ``skip``, from its own transfer thread (module docstring). Malformed messages
+    are answered with ``ERR`` (or dropped when not even the envelope parses) and counted; they never
+    reach the engine. ``address``: the bound endpoint, ``port`` its port. Raises zmq.ZMQError when
+    the port is taken."""
 
     mode = "prefill"
 
     def __init__(self, core, host: str, port: int):
         self.pool = core.scheduler.pool
+        self.sched = core.scheduler
         self.layout = wire.pool_layout(self.pool)
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.ROUTER)  # the transfer thread's from start()
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://{host}:{port or '*'}")  # port 0: any free port (see ``address``)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.port = int(self.address.rsplit(":", 1)[1])
-        self.wake_sockets = (self.sock,)
+        name = f"inproc://idleless-pd-prefill-{next(_instances)}"
+        self._wake_rx = self._pair(ctx, name + "-step", bind=True)   # step thread: woken by the transfer thread
+        self._jobs_rx = self._pair(ctx, name + "-jobs", bind=True)   # transfer thread: woken by the step thread
+        self._wake_tx = self._pair(ctx, name + "-step", bind=False)  # transfer thread's end
+        self._jobs_tx = self._pair(ctx, name + "-jobs", bind=False)  # step thread's end
+        self.wake_sockets = (self._wake_rx,)
+        self._to_step: queue.SimpleQueue = queue.SimpleQueue()  # ("pull", ident, head, t) | ("sent", job)
+        self._to_thread: queue.SimpleQueue = queue.SimpleQueue()  # _Job, or None: stop
+        self._in_flight = 0  # pulls handed over by the transfer thread and not yet unlocked (step thread)
+        self._timed: dict[str, _Timed] = {}
+        self._timings: OrderedDict[str, dict] = OrderedDict()  # transfer_id -> queue/prefill seconds
+        self._last_poll = time.monotonic()
+        self._lock = threading.Lock()  # guards counters (both threads write them)
         self.counters = {"num_pulls": 0, "num_tokens_sent": 0, "bytes_sent": 0, "seconds": 0.0,
-                         "num_bad_messages": 0}
+                         "wait_seconds": 0.0, "num_bad_messages": 0}
+        self._thread = threading.Thread(target=self._run, name="idleless-kv-transfer", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _pair(ctx, addr: str, bind: bool):
+        s = ctx.socket(zmq.PULL if bind else zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(addr) if bind else s.connect(addr)
+        return s
+
+    # -- step thread -------------------------------------------------------------------------------
+    def admit(self, core, req: Request) -> bool:
+        """Queue a request a router sent with a ``transfer_id`` here, keeping its record to time it."""
+        params = req.kv_transfer_params
+        tid = params.get("transfer_id") if isinstance(params, dict) and params.get("do_remote_decode") else None
+        if not isinstance(tid, str) or not tid:
+            return False
+        self.sched.add_request(req)  # RequestError: nothing queued, nothing kept
+        self._timed[req.rid] = _Timed(self.sched.waiting[-1], tid, time.monotonic())
+        return True
+
+    def has_work(self) -> bool:
+        """Pulls on their way through the two threads hold locked prefixes: a flush or a memory
+        release must wait for them."""
+        return self._in_flight > 0
 
     def poll(self, core) -> None:
-        served = False
+        now = time.monotonic()
+        if self._timed:
+            self._time_requests(now)
+        if self._in_flight and not self.sched.has_work():
+            self._wake_rx.poll(5)  # only pulls in flight: wait a little for their ends, do not spin
         while True:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._wake_rx.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            served = True
-            self._serve(core, frames)
-        if served:
+        items = []  # what is there now; what comes while these are handled waits for the next call
+        while True:
+            try:
+                items.append(self._to_step.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item[0] == "sent":
+                self._unlock(item[1])
+            else:
+                self._lock_and_hand_over(*item[1:])
+        self._last_poll = time.monotonic()
+        if items:
             core.scheduler.clock.mark("kv_transfer")
 
-    def _serve(self, core, frames) -> None:
+    def _unlock(self, job: _Job) -> None:
+        if job.handle is not None:
+            self.sched.cache.unlock(job.handle)
+        self._in_flight -= 1
+
+    def _time_requests(self, now: float) -> None:
+        """Note admissions (at the start of the step that admitted them: the last poll) and first tokens."""
+        for rid, t in list(self._timed.items()):
+            rec = t.rec
+            if t.admitted is None and rec.cached_tokens >= 0:
+                t.admitted = max(t.added, self._last_poll)
+            if rec.first_token_time is not None and t.admitted is not None:
+                del self._timed[rid]
+                self._timings[t.transfer_id] = timing.prefill_parts(rec.arrival_time, t.admitted,
+                                                                    rec.first_token_time)
+                while len(self._timings) > _KEEP_TIMINGS:
+                    self._timings.popitem(last=False)
+            elif rec.finish_reason is not None:  # ended without a token (aborted, refused)
+                del self._timed[rid]
+
+    def _lock_and_hand_over(self, ident: bytes, head: dict, t_recv: float) -> None:
+        ids, skip, want = head["token_ids"], int(head["skip"]), int(head["want"])
+        cache = self.sched.cache
+        handle = cache.match_prefix(ids[:want], hit=True)
+        if handle.cached_len > skip:
+            slots = handle.slots[skip:handle.cached_len]
+            cache.lock(handle)
+        else:
+            slots, handle = handle.slots[:0], None
+        header = {"rid": head.get("rid"), "start": skip, "num_tokens": int(slots.numel()), "layout": self.layout}
+        tid = head.get("transfer_id")
+        if isinstance(tid, str) and tid in self._timings:
+            header["prefill_timing"] = self._timings.pop(tid)
+        self._in_flight += 1
+        self._to_thread.put(_Job(ident, header, slots, handle, t_recv))
+        _signal(self._jobs_tx)
+
+    # -- transfer thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._jobs_rx, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._jobs_rx in ready:
+                    while True:
+                        try:
+                            self._jobs_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                while True:
+                    try:
+                        job = self._to_thread.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        return
+                    self._send(job)
+                if self.sock in ready:
+                    while True:
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._accept(frames)
+        except Exception:  # noqa: BLE001 - a dead transfer thread must say why in the log
+            log.exception("kv transfer thread failed")
+        finally:
+            self.sock.close(0)
+            self._wake_tx.close(0)
+            self._jobs_rx.close(0)
+
+    def _accept(self, frames) -> None:
+        """Check a message; a valid pull goes to the step thread, anything else is answered here."""
+        t_recv = time.perf_counter()
         if len(frames) < 3 or frames[1].bytes != wire.PULL:
-            self.counters["num_bad_messages"] += 1
+            self._count("num_bad_messages", 1)
             if len(frames) >= 2:
-                self._reply_error(frames[0], None, "expected [PULL, header]", "bad_request")
+                self._reply_error(frames[0].bytes, None, "expected [PULL, header]", "bad_request")
             return
-        ident = frames[0]
+        ident = frames[0].bytes
         try:
             head = wire.decode_header(frames[2].bytes)
-            rid, ids = head.get("rid"), head["token_ids"]
+            ids = head["token_ids"]
             skip, want = int(head["skip"]), int(head["want"])
             if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
                 raise ValueError("token_ids must be a list of ints")
             if not 0 <= skip <= want <= len(ids):
                 raise ValueError(f"need 0 <= skip <= want <= len(token_ids), got {skip}, {want}, {len(ids)}")
         except (ValueError, KeyError, TypeError) as e:
-            self.counters["num_bad_messages"] += 1
+            self._count("num_bad_messages", 1)
             self._reply_error(ident, None, f"bad pull: {e}", "bad_request")
             return
         why = wire.layout_mismatch(self.layout, head.get("layout"))
         if why is not None:
-            self._reply_error(ident, rid, why, "layout_mismatch")
+            self._reply_error(ident, head.get("rid"), why, "layout_mismatch")
             return
+        self._to_step.put(("pull", ident, head, t_recv))
+        _signal(self._wake_tx)
+
+    def _send(self, job: _Job) -> None:
+        """Copy the locked slots' KV and send it; then hand the job back for the unlock."""
         t0 = time.perf_counter()
-        handle = core.scheduler.cache.match_prefix(ids[:want], hit=True)
-        slots = handle.slots[skip:handle.cached_len] if handle.cached_len > skip else handle.slots[:0]
-        pool = self.pool
-        parts = [pool.k_cache[:, slots], pool.v_cache[:, slots]]
+        pool, slots = self.pool, job.slots
+        parts = [pool.k_cache[:, slots], pool.v_cache[:, slots]]  # copies of committed, locked slots
         if pool.quantized:
             parts += [pool.k_scale[:, slots], pool.v_scale[:, slots]]
-        header = {"rid": rid, "start": skip, "num_tokens": int(slots.numel()), "layout": self.layout}
-        frames_out = [ident, wire.KV, wire.encode_header(header)] + [wire.tensor_frame(t) for t in parts]
-        self.sock.send_multipart(frames_out, copy=False)
-        nbytes = sum(t.numel() * t.element_size() for t in parts)
-        c = self.counters
-        c["num_pulls"] += 1
-        c["num_tokens_sent"] += int(slots.numel())
-        c["bytes_sent"] += nbytes
-        c["seconds"] += time.perf_counter() - t0
+        try:
+            self.sock.send_multipart([job.ident, wire.KV, wire.encode_header(job.header)]
+                                     + [wire.tensor_frame(t) for t in parts], copy=False)
+        finally:
+            self._to_step.put(("sent", job))
+            _signal(self._wake_tx)
+        with self._lock:
+            c = self.counters
+            c["num_pulls"] += 1
+            c["num_tokens_sent"] += int(slots.numel())
+            c["bytes_sent"] += sum(t.numel() * t.element_size() for t in parts)
+            c["seconds"] += time.perf_counter() - t0
+            c["wait_seconds"] += t0 - job.t_recv
 
-    def _reply_error(self, ident, rid, message: str, code: str) -> None:
+    def _count(self, key: str, n) -> None:
+        with self._lock:
+            self.counters[key] += n
+
+    def _reply_error(self, ident: bytes, rid, message: str, code: str) -> None:
         log.warning("kv transfer: refusing a pull: %s", message)
         try:
             self.sock.send_multipart([ident, wire.ERR, wire.encode_header({"rid": rid, "error": message,
@@ -100,12 +291,33 @@ class PrefillConnector(KVConnector):
         except zmq.ZMQError:
             pass
 
+    # -- either thread ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        d = dict(self.counters)
+        """Counters: ``seconds`` (the transfer thread's copy and send, whose rate is ``gb_per_s``) and
+        ``wait_seconds`` (from a pull's arrival to its prefix locked on the step thread), summed."""
+        with self._lock:
+            d = dict(self.counters)
         d["mode"], d["address"] = self.mode, self.address
+        d["num_in_flight"] = self._in_flight
         d["gb_per_s"] = d["bytes_sent"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
         return d
 
     def close(self) -> None:
-        self.sock.close(0)
-
+        """Stop the transfer thread (it closes the ROUTER socket) and unlock what it still held
+        (idempotent; call on the step thread)."""
+        if self._thread.is_alive():
+            self._to_thread.put(None)
+            _signal(self._jobs_tx)
+            self._thread.join(timeout=10)
+        while True:  # pulls sent, and jobs the thread never took: unlock them all
+            try:
+                item = self._to_step.get_nowait()
+            except queue.Empty:
+                try:
+                    item = ("sent", self._to_thread.get_nowait())
+                except queue.Empty:
+                    break
+            if item[0] == "sent" and item[1] is not None:
+                self._unlock(item[1])
+        for s in (self._wake_rx, self._jobs_tx):
+            s.close(0)

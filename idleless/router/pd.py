@@ -9,6 +9,11 @@ Per request (vLLM's disaggregated-serving flow, over the engines' OpenAI routes)
    default: by load), gets the original request plus those ``kv_transfer_params``; it pulls the KV of
    the prompt's tokens it does not already cache (``idleless.disagg.decode``) and decodes; its answer,
    streamed or whole, is the client's.
+A ``transfer_id`` of the router's goes with both legs: the prefill engine times the request under it
+and sends its queue and prefill seconds with the KV, so the decode engine holds each request's TTFT
+split (``idleless.disagg.timing``). The router's /metrics shows its own per-request times (the
+prefill leg, the time to the decode engine's first token) and, read from the decode engines'
+``/server_info`` when /metrics is scraped, their split histograms.
 Every failure ends: a prefill leg that fails (refused, 5xx, no answer within
 ``--prefill-timeout-secs``, an engine not in prefill mode) sends the request to the decode leg without
 ``kv_transfer_params`` (the decode engine prefills it itself) and is counted; the decode leg retries
@@ -23,6 +28,7 @@ import copy
 import json
 import logging
 import time
+import uuid
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -30,6 +36,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+
+from idleless.disagg import timing
 from idleless.router.app import Router, _error, proxy_app, read_json_object
 from idleless.router.metrics import render_metrics
 
@@ -40,25 +50,55 @@ _PREFILL_DROP = ("stream", "stream_options", "n", "best_of", "echo", "logprobs",
                  "prompt_logprobs", "max_completion_tokens")
 
 
-def prefill_body(body: dict) -> dict:
-    """The prefill leg's request: the client's, for one token, unstreamed, asking where its KV can be pulled."""
+def prefill_body(body: dict, transfer_id: str) -> dict:
+    """The prefill leg's request: the client's, for one token, unstreamed, asking where its KV can be
+    pulled (the prefill engine times it under ``transfer_id``)."""
     p = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
-    p.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    p.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
     return p
+
+
+class _SplitCollector:
+    """The decode engines' TTFT split histograms (``timing.SplitStats`` snapshots), one series per
+    engine (label ``worker``), as last read by ``PDRouter.read_splits``."""
+
+    def __init__(self):
+        self.snapshots: dict[str, dict] = {}
+
+    def collect(self):
+        for part in timing.PARTS:
+            fam = HistogramMetricFamily(f"idleless_router_pd_ttft_{part}_seconds",
+                                        f"the {part.replace('_', ' ')} part of disaggregated requests' time to first "
+                                        "token, as the decode engine recorded it", labels=["worker"])
+            for url, snap in self.snapshots.items():
+                buckets = [(repr(float(b)), c) for b, c in zip(snap["buckets"], snap["counts"][part])]
+                buckets.append(("+Inf", snap["observed"][part]))
+                fam.add_metric([url], buckets, snap["sums"][part])
+            yield fam
 
 
 class PDRouter:
     """A prefill ``Router`` and a decode ``Router`` chained per request (module docstring).
     ``counters``: ``prefill_ok``, ``prefill_failed`` (the decode engine recomputed), ``prefill_skipped``
-    (no healthy prefill worker)."""
+    (no healthy prefill worker). ``registry``: the router's own histograms, ``splits``: the decode
+    engines' (module docstring)."""
 
     def __init__(self, prefill: Router, decode: Router, prefill_timeout_s: float = 60.0):
         self.prefill = prefill
         self.decode = decode
         self.prefill_timeout_s = prefill_timeout_s
         self.counters = {"prefill_ok": 0, "prefill_failed": 0, "prefill_skipped": 0}
+        self.registry = CollectorRegistry()
+        self.prefill_leg = Histogram("idleless_router_pd_prefill_leg_seconds", "from sending the prefill leg to "
+                                     "its answer (successful legs)", buckets=timing.BUCKETS, registry=self.registry)
+        self.ttft = Histogram("idleless_router_pd_ttft_seconds", "streamed requests: from the router's receipt to "
+                              "the decode engine's response head (sent with its first token)",
+                              buckets=timing.BUCKETS, registry=self.registry)
+        self.splits = _SplitCollector()
+        self.registry.register(self.splits)
 
     async def proxy(self, request: Request, path: str) -> Response:
+        t0 = time.perf_counter()
         raw, body = await read_json_object(request)
         if body is None:
             return _error(400, "the body is not a JSON object", "invalid_json", "invalid_request_error")
@@ -67,11 +107,27 @@ class PDRouter:
         if params is not None:
             body = {**body, "kv_transfer_params": params}
             raw = json.dumps(body).encode()
-        return await self.decode.forward(raw, body, headers, path)
+        resp = await self.decode.forward(raw, body, headers, path)
+        if resp.status_code == 200 and resp.media_type == "text/event-stream":
+            self.ttft.observe(time.perf_counter() - t0)
+        return resp
+
+    async def read_splits(self) -> None:
+        """Read each healthy decode engine's TTFT split histograms from its ``/server_info`` (engines
+        that do not answer keep their last reading)."""
+        async def one(w):
+            try:
+                r = await self.decode.pool.client.get(w.url + "/server_info", timeout=5.0)
+                split = ((r.json().get("stats") or {}).get("kv_transfer") or {}).get("ttft_split")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return
+            if isinstance(split, dict) and split.get("buckets") == list(timing.BUCKETS):
+                self.splits.snapshots[w.url] = split
+        await asyncio.gather(*(one(w) for w in self.decode.pool.healthy()))
 
     async def _prefill_leg(self, body: dict, headers: dict, path: str) -> Optional[dict]:
         """Run the prefill leg; the decode engine's ``kv_transfer_params``, or None (it recomputes)."""
-        pbody = prefill_body(body)
+        pbody = prefill_body(body, uuid.uuid4().hex)
         candidates = self.prefill.pool.healthy()
         if not candidates:
             self.counters["prefill_skipped"] += 1
@@ -80,6 +136,7 @@ class PDRouter:
         w, cached = self.prefill.policy.select(candidates, inp)
         key = next(self.prefill._keys)
         w.begin(key, inp.tokens, cached)
+        t_sent = time.monotonic()
         try:
             # No _until_dead here: an unstreamed prefill sends nothing until it is done, so a busy prefill
             # engine looks lifeless to the health loop; a dead one breaks the connection, and
@@ -104,6 +161,7 @@ class PDRouter:
         if not params.get("remote_host"):
             params = {**params, "remote_host": urlsplit(w.url).hostname}
         self.counters["prefill_ok"] += 1
+        self.prefill_leg.observe(time.monotonic() - t_sent)
         return params
 
     async def close(self) -> None:
@@ -114,7 +172,7 @@ class PDRouter:
 
 def build_pd_app(pd: PDRouter) -> FastAPI:
     """The PD router's app: the OpenAI routes through both legs, /health (a decode worker suffices),
-    /workers and /metrics over both pools, ``--api-key`` as the plain router."""
+    /workers and /metrics over both pools (and the PD histograms), ``--api-key`` as the plain router."""
     app = proxy_app("idleless PD router", pd.decode.settings.api_key, pd.proxy, pd.decode.models)
 
     @app.get("/health")
@@ -134,7 +192,8 @@ def build_pd_app(pd: PDRouter) -> FastAPI:
     async def metrics():
         ws = list(pd.prefill.pool.workers.values()) + list(pd.decode.pool.workers.values())
         body, ctype = render_metrics(ws, f"pd:{pd.prefill.policy.name}/{pd.decode.policy.name}")
-        return Response(body, media_type=ctype)
+        await pd.read_splits()
+        return Response(body + generate_latest(pd.registry), media_type=ctype)
 
     return app
 
