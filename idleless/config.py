@@ -19,6 +19,7 @@ from idleless.quant.spec import check_precision
 
 MAX_RAM_FRACTION = 0.9
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SELF_DRAFT_WEIGHT_DTYPES = ("int4", "int8", "fp8")  # --speculative-draft-weight-dtype
 
 
 def parse_memory(value: str | float | int) -> float:
@@ -123,6 +124,10 @@ class EngineConfig:
     speculative_draft_model_path: Optional[str] = option(None, "the draft model of `draft` (same tokenizer as the "
                                                          "target model)")
     speculative_draft_kv_cache_memory: str = option("512MiB", "the draft model's own KV pool")
+    speculative_draft_weight_dtype: Optional[str] = option(None, "draft: the draft model's weights as int4 (GGUF "
+                                                           "Q4_1 blocks) | int8 | fp8; without "
+                                                           "--speculative-draft-model-path the draft is the "
+                                                           "target model itself at this precision")
     speculative_ngram_min_match_window_size: int = option(1, "ngram: shortest suffix matched, tokens")
     speculative_ngram_max_match_window_size: int = option(12, "ngram: longest suffix matched, tokens")
     speculative_disable_adaptive: bool = option(False, "fixed draft length, never switched off by the cost model")
@@ -202,10 +207,16 @@ class EngineConfig:
         self.speculative_algorithm = algo
         if self.speculative_num_draft_tokens < 1:
             raise ValueError("speculative_num_draft_tokens must be >= 1")
-        if algo == "draft" and not self.speculative_draft_model_path:
+        draft_dtype = self.speculative_draft_weight_dtype
+        if draft_dtype is not None and draft_dtype not in SELF_DRAFT_WEIGHT_DTYPES:
+            raise ValueError(f"speculative_draft_weight_dtype must be one of {', '.join(SELF_DRAFT_WEIGHT_DTYPES)}, "
+                             f"got {draft_dtype!r}")
+        if algo == "draft" and not self.speculative_draft_model_path and draft_dtype is None:
             raise ValueError("speculative_algorithm 'draft' needs speculative_draft_model_path (a smaller model "
-                             "with the same tokenizer)")
-        if algo == "draft" and not os.path.exists(os.path.expanduser(self.speculative_draft_model_path)):
+                             "with the same tokenizer) or speculative_draft_weight_dtype (the target model "
+                             "itself at a lower weight precision, e.g. int4)")
+        if (algo == "draft" and self.speculative_draft_model_path
+                and not os.path.exists(os.path.expanduser(self.speculative_draft_model_path))):
             raise ValueError(f"speculative_draft_model_path {self.speculative_draft_model_path!r} does not exist "
                              "(a .gguf file or an HF model directory)")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size

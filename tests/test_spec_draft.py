@@ -9,6 +9,7 @@ After every call the draft pool's one-owner invariant is checked (tests/kv_invar
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -215,3 +216,52 @@ def test_engine_greedy_equal_with_draft_speculation(models, target_core, same_dr
     if same_draft:
         assert st["num_accepted_tokens"] == st["num_draft_tokens"]
     assert not core.proposer.inner.seqs and core.proposer.inner.kv_usage()["in_use"] == 0
+
+
+@pytest.fixture(scope="module")
+def q4_target(tmp_path_factory):
+    """A tiny random Llama whose linears hold whole Q4_1 blocks (every in_features a multiple of 32)."""
+    return make_tiny_model(tmp_path_factory.mktemp("selfdraft"), seed=3)
+
+
+def test_int4_self_draft_greedy_equal_to_plain_decoding(q4_target):
+    """No draft model: ``--speculative-draft-weight-dtype int4`` drafts with the target itself on Q4_1
+    blocks. Greedy outputs equal plain decoding's (the reference: the same target, no speculation),
+    some guesses accepted and some rejected, and the draft runner holds int4 weights."""
+    plain = EngineCore(core_config(q4_target))
+    prompts = rand_prompts(7, [5, 19, 2, 33])
+    lens = [14, 9, 20, 11]
+    refs = [reference(plain, [pr], n)[0] for pr, n in zip(prompts, lens)]
+    core = EngineCore(core_config(q4_target, speculative_algorithm="draft", speculative_draft_weight_dtype="int4",
+                                  speculative_num_draft_tokens=3, speculative_disable_adaptive=True))
+    draft = core.proposer.inner
+    assert draft.runner.weight_dtype == "int4" and core.runner.weight_dtype == "bf16"
+    out = {}
+    for i, (pr, n) in enumerate(zip(prompts, lens)):
+        core.add_request(Request(f"q{i}", pr, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)))
+        out[f"q{i}"] = []
+    while core.has_work():
+        for o in core.step():
+            out[o.rid] += o.new_token_ids
+        check_ownership(core.scheduler)
+        check_draft_kv(draft)
+    assert [out[f"q{i}"] for i in range(len(prompts))] == refs
+    st = core.stats()["speculative"]
+    assert 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"]
+
+
+def test_self_draft_configuration_errors(q4_target):
+    """Start-up errors: an unknown draft weight dtype (config), no draft path and no draft weight
+    dtype, and a self-draft at the precision the target already runs at."""
+    with pytest.raises(ValueError, match="speculative_draft_weight_dtype must be one of int4, int8, fp8"):
+        core_config(q4_target, speculative_algorithm="draft", speculative_draft_weight_dtype="int3")
+    with pytest.raises(ValueError, match="speculative_draft_weight_dtype"):
+        core_config(q4_target, speculative_algorithm="draft")
+    target = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB), context_length=2048,
+                             weight_dtype="int4")
+    cfg = core_config(q4_target, speculative_algorithm="draft", speculative_draft_weight_dtype="int4")
+    with pytest.raises(ValueError, match="already runs with int4 weights.*Q4_1.*--weight-dtype bf16"):
+        DraftModelProposer(cfg, target)
+    with pytest.raises(ValueError, match="already runs with int8 weights"):
+        DraftModelProposer(replace(cfg, speculative_draft_weight_dtype="int8"),
+                           SimpleNamespace(**{**vars(target), "weight_dtype": "int8"}))

@@ -5,8 +5,11 @@ a cheap draft model runs k autoregressive steps, the target model checks all k g
 forward. Here the guesses are the draft's greedy argmax, a point-mass proposal, so the scheduler's
 accept-while-equal commit is the papers' rejection rule exactly (see ``idleless.spec.proposer``).
 
-The draft model runs in its own ``ModelRunner`` (own KV pool, attention backend, the target's dtype
-and kernels) and this proposer is a small scheduler over it: per request it keeps the tokens whose
+The draft is a smaller model with the target's tokenizer, or the target model itself loaded at a
+lower weight precision (``--speculative-draft-weight-dtype int4``: the issue-14 linear methods, GGUF
+Q4_1 blocks; a self-draft as in Draft & Verify, arXiv 2309.08168, with quantisation instead of
+skipped layers). It runs in its own ``ModelRunner`` (own KV pool, attention backend, the target's
+dtype and kernels) and this proposer is a small scheduler over it: per request it keeps the tokens whose
 draft KV is computed and their slot table (a ``DraftSeq``), with its own prefix cache (the radix
 tree, through ``RequestKV``), so a prompt shared by requests is computed once in the draft too.
 ``propose`` first truncates each request's draft KV to the longest common prefix with the target's
@@ -42,6 +45,19 @@ def _num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def check_self_draft(draft_weight_dtype: str, target_weight_dtype: Optional[str]) -> None:
+    """A self-draft (the target model as its own draft at ``draft_weight_dtype``) must read fewer
+    bytes than the target: ValueError when the target already runs at that precision
+    (``target_weight_dtype``: the target runner's resolved weight dtype, e.g. ``int4`` for the
+    bundled GGUF's Q4_1 blocks under ``--weight-dtype auto``)."""
+    if draft_weight_dtype == target_weight_dtype:
+        native = " (--weight-dtype auto keeps a GGUF's own blocks: the bundled SmolLM2 file is Q4_1, int4)" \
+            if draft_weight_dtype == "int4" else ""
+        raise ValueError(f"--speculative-draft-weight-dtype {draft_weight_dtype}: the target model already runs "
+                         f"with {target_weight_dtype} weights{native}, so the self-draft would be the target "
+                         "itself; start the target at a higher precision, e.g. --weight-dtype bf16")
+
+
 @dataclass(eq=False)
 class DraftSeq:
     """The draft side of one request, in the fields ``RequestKV`` uses.
@@ -63,33 +79,43 @@ class DraftSeq:
 
 
 class DraftModelProposer(Proposer):
-    """Guesses with the draft model ``config.speculative_draft_model_path`` (see the module docstring).
+    """Guesses with the draft model ``config.speculative_draft_model_path`` (see the module docstring),
+    or without one, with the target model itself at ``config.speculative_draft_weight_dtype`` (a
+    self-draft: int4 reads about a quarter of bf16's weight bytes per step).
 
-    ``target_runner``: the target's ModelRunner (``model_config.vocab_size``, ``context_length``).
-    The draft runner is built from ``config`` with the draft's path and
-    ``speculative_draft_kv_cache_memory``. Raises ValueError when no draft path is set, the path does
-    not exist, or the draft's vocab_size differs from the target's; ValueError from the loader for a
-    draft it cannot load."""
+    ``target_runner``: the target's ModelRunner (``model_config.vocab_size``, ``context_length``,
+    ``weight_dtype``). The draft runner is built from ``config`` with the draft's path (the target's
+    ``config.model`` for a self-draft), ``speculative_draft_kv_cache_memory`` and, when given, the
+    draft weight dtype (activations bf16). Raises ValueError when neither a draft path nor a draft
+    weight dtype is set, the path does not exist, the draft's vocab_size differs from the target's,
+    or a self-draft's weight dtype is the target's own (``check_self_draft``); ValueError from the
+    loader for a draft it cannot load."""
 
     name = "draft"
 
     def __init__(self, config: EngineConfig, target_runner):
-        path = config.speculative_draft_model_path
-        if not path:
+        path, weight_dtype = config.speculative_draft_model_path, config.speculative_draft_weight_dtype
+        if not path and weight_dtype is None:
             raise ValueError("the draft proposer needs speculative_draft_model_path (a smaller model with the "
-                             "target's tokenizer)")
-        try:
-            draft_dir = prepare_model_dir(path)
-        except FileNotFoundError as e:
-            raise ValueError(f"speculative_draft_model_path {path!r}: {e}") from e
-        vocab, target_vocab = load_model_config(draft_dir).vocab_size, target_runner.model_config.vocab_size
-        if vocab != target_vocab:
-            raise ValueError(f"the draft model {path!r} has vocab_size {vocab}, the target model {target_vocab}: "
-                             "a draft must share the target's tokenizer")
+                             "target's tokenizer) or speculative_draft_weight_dtype (the target itself at a lower "
+                             "weight precision)")
+        if path:
+            try:
+                draft_dir = prepare_model_dir(path)
+            except FileNotFoundError as e:
+                raise ValueError(f"speculative_draft_model_path {path!r}: {e}") from e
+            vocab, target_vocab = load_model_config(draft_dir).vocab_size, target_runner.model_config.vocab_size
+            if vocab != target_vocab:
+                raise ValueError(f"the draft model {path!r} has vocab_size {vocab}, the target model {target_vocab}: "
+                                 "a draft must share the target's tokenizer")
+        else:
+            draft_dir = config.model
+            check_self_draft(weight_dtype, getattr(target_runner, "weight_dtype", None))
+        precision = {} if weight_dtype is None else {"weight_dtype": weight_dtype, "activation_dtype": "bf16"}
         self.config = config
         self.runner = ModelRunner(replace(config, model=draft_dir, speculative_algorithm=None,
                                           kv_cache_memory=config.speculative_draft_kv_cache_memory,
-                                          context_length=target_runner.context_length))
+                                          context_length=target_runner.context_length, **precision))
         self.pool = self.runner.pool
         # a draft step reads the draft's weights as a target step reads the target's: their size ratio
         # (1, pessimistic, for a target runner without a model, e.g. a test's stand-in)
