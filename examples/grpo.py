@@ -12,21 +12,19 @@ Each step:
      starts with a number (the asked format); advantages are the rewards normalised within each group
      (GRPO's outcome supervision);
   3. one policy-gradient step on the clipped objective with a k3 KL penalty to the initial policy
-     (transformers' model in training mode, AdamW);
+     (our model in training mode, ``idleless.rl.policy.KernelPolicy``, AdamW);
   4. the new weights are pushed into the server by a torch.distributed broadcast (gloo) from this
      process (``idleless.rl.trainer.WeightPusher``), version ``step-N``.
 
-The trainer's logprobs are aligned with the engine's (``idleless.rl.aligned``): the rollouts are
-re-scored by one lone forward with the engine's deterministic kernels on the trainer's current weights
-(``SequenceScorer``), and the loss is evaluated on those values, with the gradient of transformers'
-autograd forward (``--no-alignment-check``: train on transformers' values, no re-score).
+The trainer's forward is the engine's (``KernelPolicy``: every op an autograd function whose forward is
+the engine's deterministic kernel and whose backward is written out), so the logprobs the loss uses are
+the rollout's bit for bit and the gradient is that of exactly this computation; the server runs with
+``--enable-deterministic-inference`` in float32 on the float weights.
 
 Logged every step (JSONL, then a PNG of the curves): mean reward, KL to the initial policy, rollout
-seconds and tokens/s, train seconds, weight-push seconds, and the train/rollout logprob mismatch:
-``mismatch_train`` = max |the logprobs the loss used - engine| (0 exactly when aligned),
-``mismatch_autograd`` = max |transformers' autograd forward - engine| (its eager kernels: small, not 0),
-``mismatch_engine_kernels`` = max |``SequenceScorer`` - engine| (0 exactly: the rollouts are
-reproducible by the trainer bit for bit).
+seconds and tokens/s, train seconds, weight-push seconds, and ``mismatch_train`` = max |the trainer's
+logprob - the engine's rollout logprob| over the step's completion tokens (0 exactly; a server flag that
+breaks the agreement, e.g. ``--server-arg=--kv-cache-dtype=fp8_e4m3``, shows here as a non-zero value).
 """
 
 from __future__ import annotations
@@ -102,37 +100,13 @@ def rollout(http, url: str, prompt_ids: list[int], group: int, max_new: int, see
 # --------------------------------------------------------------------------------------------------
 # the trainer
 # --------------------------------------------------------------------------------------------------
-def batch_tensors(seqs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids [B, L], attention mask [B, L] and completion mask [B, L-1] (1 where the
-    next token, the one position t predicts, is a completion token) for (prompt, completion) pairs."""
-    L = max(len(p) + len(c) for p, c in seqs)
-    ids = torch.zeros(len(seqs), L, dtype=torch.int64)
-    att = torch.zeros(len(seqs), L, dtype=torch.int64)
-    comp = torch.zeros(len(seqs), L - 1)
-    for i, (p, c) in enumerate(seqs):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        att[i, :len(p) + len(c)] = 1
-        comp[i, len(p) - 1:len(p) + len(c) - 1] = 1
-    return ids, att, comp
-
-
-def token_logprobs(model, ids: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-    """log p(ids[:, t+1] | ids[:, :t+1]) [B, L-1] float32 by a forward of ``model`` (with grad if enabled)."""
-    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(2)
-
-
-def pad_rows(rows: list[list[float]], offsets: list[int], width: int) -> torch.Tensor:
-    """Per-sequence completion values placed at their positions in a [B, width] float32 tensor."""
-    out = torch.zeros(len(rows), width)
-    for i, (r, o) in enumerate(zip(rows, offsets)):
-        out[i, o:o + len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
-
-
-def hf_named_tensors(model):
-    """The trainer's weights under HF names (a tied lm_head appears once, as the embedding)."""
-    return [(n, p.detach()) for n, p in model.named_parameters()]
+def pad(rows: list, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence completion values (lists or 1-D tensors, with grad kept) right-padded into [B, width]
+    float32, and the mask [B, width] (1 on a sequence's own tokens)."""
+    vals = torch.stack([torch.cat([torch.as_tensor(r, dtype=torch.float32),
+                                   torch.zeros(width - len(r))]) for r in rows])
+    mask = torch.stack([(torch.arange(width) < len(r)).float() for r in rows])
+    return vals, mask
 
 
 def main(argv=None) -> int:
@@ -149,19 +123,17 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-threads", type=int, default=1)
     ap.add_argument("--trainer-threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-alignment-check", action="store_true", help="skip re-scoring with the engine kernels")
     ap.add_argument("--out", default="grpo-run", help="output prefix: <out>.jsonl and <out>.png")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `idleless serve` argument")
     args = ap.parse_args(argv)
 
     import httpx
-    from transformers import AutoModelForCausalLM
 
     from idleless.config import EngineConfig
     from idleless.model.loader import prepare_model_dir
     from idleless.model.runner import ModelRunner
-    from idleless.rl.aligned import aligned_logprobs
-    from idleless.rl.scoring import SequenceScorer, max_abs_diff
+    from idleless.rl.policy import KernelPolicy
+    from idleless.rl.scoring import SequenceScorer
     from idleless.rl.trainer import WeightPusher, free_port, start_server
     from idleless.text.tokenizer import Tokenizer
 
@@ -170,14 +142,11 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     model_dir = prepare_model_dir(args.model)
     tok = Tokenizer.load(model_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    policy.config.use_cache = False
-    policy.train()
+    trainer_cfg = EngineConfig(model=model_dir, dtype="float32", kv_cache_memory="8MiB",
+                               enable_deterministic_inference=True, num_threads=args.trainer_threads)
+    policy = KernelPolicy(trainer_cfg)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    scorer_cfg = EngineConfig(model=model_dir, dtype="float32", kv_cache_memory="8MiB",
-                              enable_deterministic_inference=True, num_threads=args.trainer_threads)
-    reference = SequenceScorer(ModelRunner(scorer_cfg))  # the initial policy, for the KL term (no grad)
-    aligned = None if args.no_alignment_check else SequenceScorer(ModelRunner(scorer_cfg))
+    reference = SequenceScorer(ModelRunner(trainer_cfg))  # the initial policy, for the KL term (no grad)
 
     proc, url = start_server(model_dir, ["--dtype", "float32", "--enable-deterministic-inference", "--num-threads",
                                          str(args.engine_threads), "--log-level", "warning", *args.server_arg])
@@ -203,46 +172,33 @@ def main(argv=None) -> int:
             seqs = [(p, s) for p, g in zip(prompts, groups) for s in g]
 
             t0 = time.perf_counter()
-            mismatch_engine = 0.0
             pairs = [(p, s["ids"]) for p, s in seqs]
-            kernel_lp = None
-            if aligned is not None:  # the pushed weights (this step's rollouts') in the engine's own kernels
-                kernel_lp = [lp.tolist() for lp in aligned.score(pairs)]
-                mismatch_engine = max(max_abs_diff(lp, s["logprobs"]) for lp, (_, s) in zip(kernel_lp, seqs))
-            ref_lp = [lp.tolist() for lp in reference.score(pairs)]
+            ref_lp = reference.score(pairs)
             score_s = time.perf_counter() - t0
 
             t0 = time.perf_counter()
             opt.zero_grad()
-            kl_sum, mismatch_train, mismatch_autograd, n_seq = 0.0, 0.0, 0.0, len(seqs)
+            kl_sum, mismatch_train, n_seq = 0.0, 0.0, len(seqs)
+            width = max(len(s["ids"]) for _, s in seqs)
             for a in range(0, n_seq, args.micro_batch):
-                part = seqs[a:a + args.micro_batch]
-                ids, att, comp = batch_tensors([(p, s["ids"]) for p, s in part])
-                offsets = [len(p) - 1 for p, _ in part]
-                old = pad_rows([s["logprobs"] for _, s in part], offsets, comp.shape[1])
-                ref = pad_rows(ref_lp[a:a + args.micro_batch], offsets, comp.shape[1])
-                eager = token_logprobs(policy, ids, att)
-                logp = eager if kernel_lp is None else \
-                    aligned_logprobs(eager, pad_rows(kernel_lp[a:a + args.micro_batch], offsets, comp.shape[1]), comp)
-                loss, kl = grpo_loss(logp, old, ref, adv[a:a + len(part)], comp, args.clip, args.beta)
-                (loss * len(part) / n_seq).backward()
-                kl_sum += float(kl) * len(part)
-                mismatch_train = max(mismatch_train, float(((logp.detach() - old).abs() * comp).max()))
-                mismatch_autograd = max(mismatch_autograd, float(((eager.detach() - old).abs() * comp).max()))
+                b = min(a + args.micro_batch, n_seq)
+                logp, mask = pad(policy.logprobs(pairs[a:b]), width)  # the engine's kernels, differentiable
+                old, _ = pad([s["logprobs"] for _, s in seqs[a:b]], width)
+                ref, _ = pad(ref_lp[a:b], width)
+                loss, kl = grpo_loss(logp, old, ref, adv[a:b], mask, args.clip, args.beta)
+                (loss * (b - a) / n_seq).backward()
+                kl_sum += float(kl) * (b - a)
+                mismatch_train = max(mismatch_train, float(((logp.detach() - old).abs() * mask).max()))
             opt.step()
             train_s = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            pushed = pusher.push_distributed(hf_named_tensors(policy), weight_version=f"step-{step}")
+            pushed = pusher.push_distributed(policy.named_tensors(), weight_version=f"step-{step}")
             push_s = time.perf_counter() - t0
-            if aligned is not None:
-                aligned.runner.load_weights(hf_named_tensors(policy))
             rec = {"step": step, "reward": float(rewards.mean()), "kl": kl_sum / n_seq,
                    "rollout_s": rollout_s, "rollout_tokens_per_s": gen_tokens / rollout_s, "train_s": train_s,
                    "score_s": score_s, "push_s": push_s, "engine_write_s": pushed["seconds"],
-                   "mismatch_train": mismatch_train, "mismatch_autograd": mismatch_autograd,
-                   "mismatch_engine_kernels": mismatch_engine,
-                   "weight_version": pushed["weight_version"]}
+                   "mismatch_train": mismatch_train, "weight_version": pushed["weight_version"]}
             records.append(rec)
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -269,13 +225,8 @@ def plot(records: list[dict], path: str) -> None:
     ax[0, 0].set_title("mean reward")
     ax[0, 1].plot(steps, [r["kl"] for r in records], marker="o")
     ax[0, 1].set_title("KL to the initial policy (k3, per token)")
-    ax[1, 0].plot(steps, [r["mismatch_autograd"] for r in records], marker="o",
-                  label="transformers' autograd forward vs engine")
-    ax[1, 0].plot(steps, [r["mismatch_train"] for r in records], marker="s", label="the loss's logprobs vs engine")
-    ax[1, 0].plot(steps, [r["mismatch_engine_kernels"] for r in records], marker="x",
-                  label="engine kernels re-score vs engine")
+    ax[1, 0].plot(steps, [r["mismatch_train"] for r in records], marker="s")
     ax[1, 0].set_title("max |train logprob - rollout logprob|")
-    ax[1, 0].legend(fontsize=8)
     for key in ("rollout_s", "train_s", "push_s"):
         ax[1, 1].plot(steps, [r[key] for r in records], marker="o", label=key)
     ax[1, 1].set_title("seconds per step")
