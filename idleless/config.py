@@ -155,6 +155,14 @@ class EngineConfig:
                                    "W8A8)")
     kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 | int8 (scales per "
                                  "token and KV head); 8-bit formats hold about twice the tokens")
+    # the accuracy gate at start-up (idleless.quant.gate; issue 14)
+    max_quantization_kl: float = option(0.1, "refuse to start when the chosen weight / activation / KV precision's "
+                                        "mean KL divergence from the unquantised model on a built-in text exceeds "
+                                        "this (nats)")
+    allow_accuracy_loss: bool = option(False, "start anyway when the accuracy gate's KL exceeds "
+                                       "--max-quantization-kl (logged as a warning)")
+    skip_quantization_gate: bool = option(False, "do not measure a quantised combination against the unquantised "
+                                          "model at start-up")
     # tool calls in chat replies (idleless.server.tool_calls; issue 12); vLLM's and SGLang's flag name
     tool_call_parser: Optional[str] = option(None, "how tool calls are read from a reply when tool_choice is auto: "
                                              "hermes | smollm2 | llama3_json (unset: auto is refused; required "

@@ -117,7 +117,7 @@ def test_deterministic_batch_invariance(tiny, combo):
 @pytest.mark.parametrize("combo", [("int8", "bf16", "fp8_e4m3"), ("int4", "bf16", "int8")], ids=lambda c: "-".join(c))
 def test_smollm2_answers_the_readme_example(smollm2_dir, combo):
     """The bundled SmolLM2 with int8 weights and an fp8 KV cache (and Q4_1 weights with an int8 one)
-    answers the README's example, greedy."""
+    passes the start-up accuracy gate at the default limit and answers the README's example, greedy."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -127,6 +127,7 @@ def test_smollm2_answers_the_readme_example(smollm2_dir, combo):
     runner = ModelRunner(EngineConfig(model=smollm2_dir, dtype="float32", kv_cache_memory="64MiB",
                                        num_threads=TEST_THREADS, weight_dtype=combo[0], activation_dtype=combo[1],
                                        kv_cache_dtype=combo[2]))
+    assert runner.precision["gate"] == "passed" and runner.precision["top1"] > 0.85
     slots = runner.pool.alloc(0, 0, len(ids) + 16)
     out, start, new = [], 0, ids
     for _ in range(16):

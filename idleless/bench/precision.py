@@ -3,8 +3,9 @@ one fixed text (quality) and batch-1 speed, side by side in one process (issue 1
 
     idleless bench precision [--model PATH] [--combos int8,int4,kv=int8,...] [--output r.json]
 
-Quality: the built-in text (``TEXT``, a few hundred tokens) is run through each configuration in
-extends of ``--chunk`` tokens (so later chunks attend to K/V read back from the quantised cache) and,
+Quality (``idleless.quant.accuracy``, the measurement of the start-up accuracy gate, which the bench
+skips: its first row is the reference): the built-in text (a few hundred tokens) is run through each
+configuration in extends of ``--chunk`` tokens (so later chunks attend to K/V read back from the quantised cache) and,
 per position, the next-token distribution is compared with the float model's: mean KL(float || quant),
 top-1 agreement, and the perplexity of the text itself. Speed: a ``--prefill-tokens`` prefill (tokens/s)
 and ``--decode-steps`` greedy batch-1 decode steps after it (tokens/s, the mean over steps). Memory: the
@@ -30,25 +31,8 @@ import time
 import torch
 
 from idleless.config import EngineConfig
-from idleless.model.runner import ForwardBatch
-
-TEXT = (
-    "The history of computing is a story of abstraction. Early machines were programmed by rewiring "
-    "panels of cables, and each new problem meant a new physical arrangement of the hardware. The stored "
-    "program changed that: instructions became data, held in the same memory as the numbers they worked "
-    "on, and a machine could be given a new task by loading a new sequence of words. Assemblers turned "
-    "mnemonic names into those words, and compilers turned formulas into whole sequences of them. Each "
-    "layer hid the one beneath it, and each let more people build larger systems without understanding "
-    "every wire. Operating systems then hid the machine itself, sharing one processor among many programs "
-    "and giving each the illusion of its own memory. Networks joined machines into systems that no single "
-    "person could see whole, and the web turned those systems into a place where billions of people read, "
-    "write and trade. Today language models are trained on much of that written record. They predict the "
-    "next word of a text from the words before it, and in doing so they learn grammar, facts and some "
-    "habits of reasoning. Serving such a model means keeping its weights and the keys and values of every "
-    "conversation in memory, and moving them to the arithmetic units fast enough that nobody waits. Fewer "
-    "bits per number mean less to move, so the same machine answers more people at once, provided the "
-    "answers stay as good as before. Measuring that is the point of this benchmark."
-)
+from idleless.quant.accuracy import compare, forward_range, next_token_logits, text_token_ids
+from idleless.quant.gate import linear_weight_bytes
 
 DEFAULT_COMBOS = "float,auto,int8,fp8,int4,w8a8,kv=int8,kv=fp8_e4m3,kv=fp8_e5m2,int8+kv=fp8_e4m3,w8a8+kv=int8"
 
@@ -68,61 +52,24 @@ def parse_combo(item: str) -> dict:
     return out
 
 
-def _linear_bytes(runner) -> int:
-    from idleless.model.linear import Linear
-
-    total, seen = 0, set()
-    for m in runner.model.modules():
-        if not isinstance(m, Linear):
-            continue
-        quant = getattr(m, "quant", None)
-        tensors = list(quant.values()) if quant is not None else [m.weight]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
-
-
-def _forward(runner, ids: list[int], slots, start: int, rows: torch.Tensor) -> torch.Tensor:
-    n = len(ids)
-    batch = ForwardBatch(torch.tensor(ids), torch.arange(start, start + n), slots[start:start + n], [n], [start],
-                         [slots[:start + n]], rows)
-    return runner.forward(batch)
-
-
 def measure(runner, ids: list[int], chunk: int, prefill_tokens: int, decode_steps: int) -> dict:
-    """Logits of every position of ``ids`` (extends of ``chunk``), then the speed runs."""
+    """Logits of every position of ``ids`` (``accuracy.next_token_logits``, extends of ``chunk``), then the
+    speed runs: a ``prefill_tokens`` prefill (tokens/s) and ``decode_steps`` greedy batch-1 decode steps."""
+    logits = next_token_logits(runner, ids, chunk)
     pool = runner.pool
-    slots = pool.alloc(0, 0, len(ids))
-    logits = []
-    for a in range(0, len(ids), chunk):
-        part = ids[a:a + chunk]
-        logits.append(_forward(runner, part, slots, a, torch.arange(len(part))))
-    pool.free(slots)
     n = min(prefill_tokens, len(ids))
     slots = pool.alloc(0, 0, n + decode_steps)
     t0 = time.perf_counter()
-    last = _forward(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
+    last = forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
     prefill_s = time.perf_counter() - t0
     tok = int(last.argmax())
     t0 = time.perf_counter()
     for i in range(decode_steps):
-        tok = int(_forward(runner, [tok], slots, n + i, torch.tensor([0])).argmax())
+        tok = int(forward_range(runner, [tok], slots, n + i, torch.tensor([0])).argmax())
     decode_s = time.perf_counter() - t0
     pool.free(slots)
-    return {"logits": torch.cat(logits), "prefill_tok_s": n / prefill_s,
+    return {"logits": logits, "prefill_tok_s": n / prefill_s,
             "decode_tok_s": decode_steps / decode_s if decode_steps else None}
-
-
-def quality(logits: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> dict:
-    """Mean KL(ref || logits) and top-1 agreement over all positions, perplexity of ids[1:]."""
-    lp, rp = logits.log_softmax(-1), ref.log_softmax(-1)
-    kl = (rp.exp() * (rp - lp)).sum(-1)
-    nll = -lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "perplexity": float(nll.mean().exp())}
 
 
 def _cpu_name() -> str:
@@ -134,18 +81,17 @@ def _cpu_name() -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from idleless.model.loader import prepare_model_dir
+    from idleless.model.loader import load_model_config, prepare_model_dir
     from idleless.model.runner import ModelRunner
     from idleless.cache.kv_pool import KVPool
-    from transformers import AutoTokenizer
 
     model_dir = prepare_model_dir(args.model)
-    ids = AutoTokenizer.from_pretrained(model_dir)(TEXT)["input_ids"]
+    ids = text_token_ids(model_dir, load_model_config(model_dir).vocab_size)
     results, ref = [], None
     for item in args.combos.split(","):
         prec = parse_combo(item)
         cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                           kv_cache_memory=args.kv_cache_memory, **prec)
+                           kv_cache_memory=args.kv_cache_memory, skip_quantization_gate=True, **prec)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         load_s = time.perf_counter() - t0
@@ -153,9 +99,9 @@ def run(args: argparse.Namespace) -> dict:
         if ref is None:
             ref = m["logits"]
         mc = runner.model_config
-        row = {"combo": item, **prec, "load_s": load_s, **quality(m["logits"], ref, ids),
+        row = {"combo": item, **prec, "load_s": load_s, **compare(m["logits"], ref, ids),
                "prefill_tok_s": m["prefill_tok_s"], "decode_tok_s": m["decode_tok_s"],
-               "linear_bytes": _linear_bytes(runner),
+               "linear_bytes": linear_weight_bytes(runner.model)[0],
                "kv_bytes_per_token": KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads,
                                                             mc.head_dim, runner.dtype, cfg.kv_cache_dtype),
                "kv_tokens": runner.pool.num_slots}

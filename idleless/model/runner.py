@@ -160,6 +160,10 @@ class ModelRunner:
                  "(%.2f GiB)", self.model_dir, self.dtype, mc.num_hidden_layers, self.load_seconds, self.weight_dtype,
                  config.activation_dtype, self.pool.num_slots, config.kv_cache_dtype,
                  self.pool.num_slots * per_token / 1024**3)
+        # accuracy gate (issue 14): the precision combination against the unquantised model on a built-in
+        # text; raises QuantizationGateError past --max-quantization-kl (idleless.quant.gate)
+        from idleless.quant.gate import precision_report
+        self.precision = precision_report(self)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -69,6 +69,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     client, settings, metrics = ctx.client, ctx.settings, ctx.metrics
     model_config = load_model_config(client.info.model_dir)
     gen_rate = TokenRate()
+    metrics.set_precision(client.info.precision)
 
     async def engine_stats() -> dict:
         """EngineCore.stats() now; APIError 503 when the engine core is gone or does not answer."""
@@ -172,7 +173,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             "num_inflight": client.num_inflight, "engine_pid": info.pid, "load_seconds": info.load_seconds,
             "system_fingerprint": settings.system_fingerprint, "stats": stats,
             "speculative_algorithm": ((stats or {}).get("speculative") or {}).get("algorithm"),
-            "weight_version": version, **settings.extra_info})
+            "precision": info.precision, "weight_version": version, **settings.extra_info})
 
     @app.get("/v1/loads")
     async def loads():

@@ -26,6 +26,10 @@ Engine-core state (read from the core when /metrics is scraped):
   idleless:evicted_tokens_total, idleless:pinned_tokens, idleless:cache_hit_rate_window,
   idleless:queue_time_seconds_total
   idleless:engine_healthy (1 when the core answered the scrape's stats call)
+Precision (set once from the engine core's start-up report, ``idleless.quant.gate``):
+  idleless:weight_bytes_per_weight, idleless:kv_cache_bytes_per_token
+  idleless:quantization_kl, idleless:quantization_top1_agreement   the accuracy gate's mean KL (nats) and
+                                top-1 agreement against the unquantised model (only when the gate ran)
 
 The same figures also under vLLM's names (what Grafana dashboards and the Kubernetes Gateway API
 Inference Extension scrape), each with the ``model_name`` label; they are renamed views of the series
@@ -319,6 +323,26 @@ class ServerMetrics:
 
     def set_inflight(self, n: int) -> None:
         self._inflight.set(n)
+
+    def set_precision(self, precision: Optional[dict]) -> None:
+        """Gauges of the engine core's ``precision`` report (``idleless.quant.gate.precision_report``; None:
+        none): bytes per weight and KV bytes per token, and the accuracy gate's KL and top-1 agreement
+        where it ran. Labelled with the weight, activation and KV dtypes."""
+        if not precision:
+            return
+        labels = ["model_name", "weight_dtype", "activation_dtype", "kv_cache_dtype"]
+        values = [self._model, precision["weight_dtype"], precision["activation_dtype"], precision["kv_cache_dtype"]]
+        for name, doc, key in (
+                ("idleless:weight_bytes_per_weight", "bytes per weight of the linear layers, scales included",
+                 "bytes_per_weight"),
+                ("idleless:kv_cache_bytes_per_token", "KV cache bytes per token (all layers, K and V, scales "
+                 "included)", "kv_bytes_per_token"),
+                ("idleless:quantization_kl", "accuracy gate: mean KL divergence (nats) of next-token "
+                 "distributions from the unquantised model's on the built-in text", "kl"),
+                ("idleless:quantization_top1_agreement", "accuracy gate: share of positions whose top-1 "
+                 "token agrees with the unquantised model's", "top1")):
+            if precision.get(key) is not None:
+                Gauge(name, doc, labels, registry=self.registry).labels(*values).set(precision[key])
 
     def update_core(self, stats: Optional[dict], healthy: bool) -> None:
         """Snapshot of EngineCore.stats() (None when the core did not answer)."""
