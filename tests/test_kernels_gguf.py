@@ -4,7 +4,8 @@ Up to a few rows the kernels decode the blocks in registers (decode); from ``GGU
 they decode a panel of output columns into a float32 buffer and run a register tile over it (prefill).
 Both must compute each output as the same chain (cpu_kernels.c, "GGUF block weights"), so a row's bits
 equal its bits computed alone whatever batch it is in, and the product is the float32 dot product of the
-weights ``formats`` dequantises (checked against float64 with a stated error bound).
+dequantised weights (Q4_1: d * code + m rounded once; Q8_0: d * code), checked bitwise on unit rows and
+against float64 with a stated error bound.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from idleless.model import cpu_kernels
-from idleless.quant.formats import dequantize_q4_1, dequantize_q8_0, quantize_q4_1, quantize_q8_0
+from idleless.quant.formats import dequantize_q8_0, quantize_q4_1, quantize_q8_0, unpack_q4
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 FORMATS = pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
@@ -28,12 +29,14 @@ def _kernels(dtype):
 
 
 def _weight(fmt, n, k, seed=0):
-    """(blocks, float32 weight they hold [n, k], product function of the kernels)."""
+    """(blocks, float32 weight they hold [n, k], product function of the kernels). Q4_1's weight is
+    d * code + m computed exactly in float64 (float16 factors, codes below 16) and rounded once."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * k ** -0.5
     if fmt == "q4_1":
         qs, d, m = quantize_q4_1(w)
-        return (qs, d, m), dequantize_q4_1(qs, d, m), lambda kern, x, b: kern.q41_linear(x, qs, d, m, b)
+        held = (d.double()[..., None] * unpack_q4(qs).double() + m.double()[..., None]).reshape(n, k).float()
+        return (qs, d, m), held, lambda kern, x, b: kern.q41_linear(x, qs, d, m, b)
     q, d = quantize_q8_0(w)
     return (q, d), dequantize_q8_0(q, d), lambda kern, x, b: kern.q80_linear(x, q, d, b)
 
@@ -78,6 +81,18 @@ def test_product_within_float32_bound_of_float64(dtype, fmt):
     for m in (1, 40):  # the register decode and the panel tiling
         y = lin(kern, x[:m], bias).double()
         assert bool(((y - ref[:m]).abs() <= bound[:m]).all()), float(((y - ref[:m]).abs() / bound[:m]).max())
+
+
+@FORMATS
+def test_unit_rows_give_the_held_weights(fmt):
+    """x = the identity: every output is one product 1 * w plus exact zeros, so out = W^T bitwise, in the
+    register decode (one row at a time) and in the panel tiling (all rows at once)."""
+    kern = _kernels(torch.float32)
+    n, k = 37, 96
+    _, held, lin = _weight(fmt, n, k, seed=5)
+    eye = torch.eye(k)
+    assert torch.equal(lin(kern, eye, None), held.t())
+    assert torch.equal(torch.cat([lin(kern, eye[i:i + 1], None) for i in range(k)]), held.t())
 
 
 @FORMATS

@@ -1680,8 +1680,8 @@ DEFINE_W8A8(bf16, uint16_t)
 /* ---- GGUF block weights (weight-only): Q4_1 and Q8_0, one product for every number of rows ----------
  * Blocks of 32 weights along k with float16 factors (ggml's block_q4_1 / block_q8_0): Q4_1 codes 0..15
  * two per byte (element j in the low nibble of byte j, element j + 16 in its high nibble) with step d and
- * minimum m, w = m + d * code; Q8_0 int8 codes with step d, w = d * code (each in float32, the product
- * rounded, then the sum: the weights idleless.quant.formats' dequantize functions give).
+ * minimum m, w = fmaf(d, code, m) (d * code + m rounded once to float32: within half an ulp of
+ * formats.dequantize_q4_1, which rounds twice); Q8_0 int8 codes with step d, w = d * code in float32.
  *   out[r, c] = T(dot8(x[r], w[c]) + bias[c]),
  * dot8: eight float32 lanes, lane l a chain of fused multiply-adds over k = l, l + 8, l + 16, ... in order
  * from 0, then the lanes summed in a fixed tree (hsum8). The chain of an output element is the same
@@ -1690,13 +1690,14 @@ DEFINE_W8A8(bf16, uint16_t)
  * bits as the AVX2 one. Two tilings of that one arithmetic: up to GGUF_GEMM_MIN_ROWS rows, the blocks are
  * decoded in registers and applied to up to 4 rows at once (decode, where the weight is read once per
  * step); from there on, a panel of GGUF_PANEL output columns is decoded once into a float32 buffer that
- * stays in L2 and a 4 x 2 register tile of outputs runs over it (prefill: the decode is paid once per
- * panel, the tile does one load per 1.33 fused multiply-adds). Threads split output columns. */
+ * stays in L2 and a 6 x 2 register tile of outputs runs over it (prefill: the decode is paid once per
+ * panel, the tile does 8 loads per 12 fused multiply-adds). Threads split output columns. */
 #define GGUF_PANEL 32         /* output columns per decoded panel (32 x 1536 floats: 192 kB) */
 #define GGUF_GEMM_MIN_ROWS 8  /* rows from which the panel tiling runs */
-#define GGUF_MR 4             /* rows per register tile (panel tiling and the register decode) */
+#define GGUF_MR 6             /* rows per register tile of the panel tiling */
 #define GGUF_NR 2             /* columns per register tile of the panel tiling */
-#define GGUF_CG 4             /* columns decoded side by side in the register tiling */
+#define GGUF_RR 4             /* rows per tile of the register decode */
+#define GGUF_CG 4             /* columns decoded side by side in the register decode */
 #define GGUF_Q41 0
 #define GGUF_Q80 1
 
@@ -1710,35 +1711,43 @@ typedef struct {  /* a GGUF weight [n, k]: format, codes, float16 steps d and (Q
 #if defined(__AVX2__) && defined(__FMA__)
 typedef __m256 f8;
 static inline f8 f8_zero(void) { return _mm256_setzero_ps(); }
-static inline f8 f8_fma(const float *x, f8 w, f8 acc) { return _mm256_fmadd_ps(_mm256_loadu_ps(x), w, acc); }
+static inline f8 f8_fmav(f8 x, f8 w, f8 acc) { return _mm256_fmadd_ps(x, w, acc); }
+static inline f8 f8_fma(const float *x, f8 w, f8 acc) { return f8_fmav(_mm256_loadu_ps(x), w, acc); }
 static inline f8 f8_ld(const float *p) { return _mm256_loadu_ps(p); }
 static inline void f8_st(float *p, f8 v) { _mm256_storeu_ps(p, v); }
 static inline float f8_sum(f8 v) { return hsum8(v); }
-/* block b of column c as 4 vectors of 8 float32 weights (k order) */
-static inline void gguf_block(const gguf_w *W, int64_t c, int64_t b, f8 w[4]) {
+/* block b of column c as 4 vectors of 8 float32 weights (k order): fmt a constant where inlined */
+static inline __attribute__((always_inline)) void gguf_block(const gguf_w *W, int fmt, int64_t c, int64_t b,
+                                                             f8 w[4]) {
     int64_t i = c * W->nb + b;
     __m256 db = _mm256_set1_ps(f16_to_f32(W->d[i]));
-    if (W->fmt == GGUF_Q41) {
-        const __m128i low = _mm_set1_epi8(0x0f);
-        __m128i v = _mm_loadu_si128((const __m128i *)(W->q + 16 * i));
-        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    if (fmt == GGUF_Q41) {
+        /* the 16 bytes in both 128-bit lanes; byte shuffles put codes 0..3 | 4..7 (then 8..11 | 12..15) of
+         * the low (then high) nibbles into the low byte of each 32-bit lane, zeros above */
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+        const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));
+        __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(W->q + 16 * i)));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         __m256 mb = _mm256_set1_ps(f16_to_f32(W->m[i]));
-        w[0] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))));
-        w[1] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))));
-        w[2] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
-        w[3] = _mm256_add_ps(mb, _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
+        w[0] = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, s0)), mb);
+        w[1] = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, s1)), mb);
+        w[2] = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, s0)), mb);
+        w[3] = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, s1)), mb);
     } else {
         const int8_t *qb = (const int8_t *)W->q + 32 * i;
-        __m128i v0 = _mm_loadu_si128((const __m128i *)qb), v1 = _mm_loadu_si128((const __m128i *)(qb + 16));
-        w[0] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)));
-        w[1] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))));
-        w[2] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)));
-        w[3] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))));
+        for (int s = 0; s < 4; s++)
+            w[s] = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * s)))));
     }
 }
 #else
 typedef struct { float v[8]; } f8;
 static inline f8 f8_zero(void) { f8 r = {{0}}; return r; }
+static inline f8 f8_fmav(f8 x, f8 w, f8 acc) {
+    for (int l = 0; l < 8; l++) acc.v[l] = __builtin_fmaf(x.v[l], w.v[l], acc.v[l]);
+    return acc;
+}
 static inline f8 f8_fma(const float *x, f8 w, f8 acc) {
     for (int l = 0; l < 8; l++) acc.v[l] = __builtin_fmaf(x[l], w.v[l], acc.v[l]);
     return acc;
@@ -1750,15 +1759,15 @@ static inline float f8_sum(f8 v) { /* hsum8's tree: (lo + hi), then lanes 0 + 2 
     for (int l = 0; l < 4; l++) s[l] = v.v[l] + v.v[l + 4];
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
-static inline void gguf_block(const gguf_w *W, int64_t c, int64_t b, f8 w[4]) {
+static inline void gguf_block(const gguf_w *W, int fmt, int64_t c, int64_t b, f8 w[4]) {
     int64_t i = c * W->nb + b;
     float db = f16_to_f32(W->d[i]);
-    if (W->fmt == GGUF_Q41) {
+    if (fmt == GGUF_Q41) {
         const uint8_t *q = W->q + 16 * i;
         float mb = f16_to_f32(W->m[i]);
         for (int j = 0; j < 16; j++) {
-            w[j / 8].v[j % 8] = mb + db * (float)(q[j] & 0x0f);
-            w[2 + j / 8].v[j % 8] = mb + db * (float)(q[j] >> 4);
+            w[j / 8].v[j % 8] = __builtin_fmaf(db, (float)(q[j] & 0x0f), mb);
+            w[2 + j / 8].v[j % 8] = __builtin_fmaf(db, (float)(q[j] >> 4), mb);
         }
     } else {
         const int8_t *q = (const int8_t *)W->q + 32 * i;
@@ -1769,15 +1778,15 @@ static inline void gguf_block(const gguf_w *W, int64_t c, int64_t b, f8 w[4]) {
 
 /* Register tiling: rows x[0..R) (k apart) times columns c0 .. c0 + C of W, each block decoded once and
  * applied to the R rows; res[r * C + j] = the dot8 sum of row r and column c0 + j. */
-static inline __attribute__((always_inline)) void gguf_regs(const float *x, int64_t k, const gguf_w *W, int64_t c0,
-                                                            int R, int C, float *res) {
-    f8 acc[GGUF_MR][GGUF_CG];
+static inline __attribute__((always_inline)) void gguf_regs(const float *x, int64_t k, const gguf_w *W, int fmt,
+                                                            int64_t c0, int R, int C, float *res) {
+    f8 acc[GGUF_RR][GGUF_CG];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) acc[r][j] = f8_zero();
     for (int64_t b = 0; b < W->nb; b++)
         for (int j = 0; j < C; j++) {
             f8 w[4];
-            gguf_block(W, c0 + j, b, w);
+            gguf_block(W, fmt, c0 + j, b, w);
             for (int r = 0; r < R; r++)
                 for (int s = 0; s < 4; s++) acc[r][j] = f8_fma(x + r * k + 32 * b + 8 * s, w[s], acc[r][j]);
         }
@@ -1794,44 +1803,49 @@ static inline __attribute__((always_inline)) void gguf_tile(const float *x, cons
     for (int64_t i = 0; i < k; i += 8) {
         f8 wv[GGUF_NR];
         for (int j = 0; j < C; j++) wv[j] = f8_ld(w + j * k + i);
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < C; j++) acc[r][j] = f8_fma(x + r * k + i, wv[j], acc[r][j]);
+        for (int r = 0; r < R; r++) {
+            f8 xv = f8_ld(x + r * k + i);
+            for (int j = 0; j < C; j++) acc[r][j] = f8_fmav(xv, wv[j], acc[r][j]);
+        }
     }
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) res[r * GGUF_NR + j] = f8_sum(acc[r][j]);
 }
 
-static void gguf_regs_any(const float *x, int64_t k, const gguf_w *W, int64_t c0, int R, int C, float *res) {
+#define GGUF_REGS_R(FMT, C, c0, res)                                                                      \
+    switch (R) {                                                                                           \
+    case 4: gguf_regs(x, k, W, FMT, c0, 4, C, res); break;                                                 \
+    case 3: gguf_regs(x, k, W, FMT, c0, 3, C, res); break;                                                 \
+    case 2: gguf_regs(x, k, W, FMT, c0, 2, C, res); break;                                                 \
+    default: gguf_regs(x, k, W, FMT, c0, 1, C, res); break;                                                \
+    }
+static void gguf_regs_fmt(const float *x, int64_t k, const gguf_w *W, int fmt, int64_t c0, int R, int C,
+                          float *res) {
     if (C == GGUF_CG) {
-        switch (R) {
-        case 4: gguf_regs(x, k, W, c0, 4, GGUF_CG, res); return;
-        case 3: gguf_regs(x, k, W, c0, 3, GGUF_CG, res); return;
-        case 2: gguf_regs(x, k, W, c0, 2, GGUF_CG, res); return;
-        default: gguf_regs(x, k, W, c0, 1, GGUF_CG, res); return;
-        }
+        if (fmt == GGUF_Q41) { GGUF_REGS_R(GGUF_Q41, GGUF_CG, c0, res) }
+        else { GGUF_REGS_R(GGUF_Q80, GGUF_CG, c0, res) }
+        return;
     }
     for (int j = 0; j < C; j++) {  /* the last columns, one at a time */
-        float v[GGUF_MR];
-        gguf_regs(x, k, W, c0 + j, R, 1, v);
+        float v[GGUF_RR];
+        if (fmt == GGUF_Q41) { GGUF_REGS_R(GGUF_Q41, 1, c0 + j, v) }
+        else { GGUF_REGS_R(GGUF_Q80, 1, c0 + j, v) }
         for (int r = 0; r < R; r++) res[r * C + j] = v[r];
     }
 }
 
+#define GGUF_TILE_R(C)                                                                                     \
+    switch (R) {                                                                                           \
+    case 6: gguf_tile(x, w, k, 6, C, res); break;                                                          \
+    case 5: gguf_tile(x, w, k, 5, C, res); break;                                                          \
+    case 4: gguf_tile(x, w, k, 4, C, res); break;                                                          \
+    case 3: gguf_tile(x, w, k, 3, C, res); break;                                                          \
+    case 2: gguf_tile(x, w, k, 2, C, res); break;                                                          \
+    default: gguf_tile(x, w, k, 1, C, res); break;                                                         \
+    }
 static void gguf_tile_any(const float *x, const float *w, int64_t k, int R, int C, float *res) {
-    if (C == GGUF_NR) {
-        switch (R) {
-        case 4: gguf_tile(x, w, k, 4, GGUF_NR, res); return;
-        case 3: gguf_tile(x, w, k, 3, GGUF_NR, res); return;
-        case 2: gguf_tile(x, w, k, 2, GGUF_NR, res); return;
-        default: gguf_tile(x, w, k, 1, GGUF_NR, res); return;
-        }
-    }
-    switch (R) {
-    case 4: gguf_tile(x, w, k, 4, 1, res); return;
-    case 3: gguf_tile(x, w, k, 3, 1, res); return;
-    case 2: gguf_tile(x, w, k, 2, 1, res); return;
-    default: gguf_tile(x, w, k, 1, 1, res); return;
-    }
+    if (C == GGUF_NR) { GGUF_TILE_R(GGUF_NR) }
+    else { GGUF_TILE_R(1) }
 }
 
 /* columns c0 .. c0 + nc of W decoded into wp [nc][k] (the weights gguf_block gives) */
@@ -1840,7 +1854,8 @@ static void gguf_panel(const gguf_w *W, int64_t c0, int64_t nc, float *wp) {
     for (int64_t j = 0; j < nc; j++)
         for (int64_t b = 0; b < W->nb; b++) {
             f8 w[4];
-            gguf_block(W, c0 + j, b, w);
+            if (W->fmt == GGUF_Q41) gguf_block(W, GGUF_Q41, c0 + j, b, w);
+            else gguf_block(W, GGUF_Q80, c0 + j, b, w);
             for (int s = 0; s < 4; s++) f8_st(wp + j * k + 32 * b + 8 * s, w[s]);
         }
 }
@@ -1863,15 +1878,16 @@ static int gguf_linear_##SUF(const float *xf, int64_t m, int64_t k, const gguf_w
         int64_t c0 = t * cols, nc = n - c0 < cols ? n - c0 : cols;                                             \
         float *wp = panels ? wbuf + (size_t)THREAD_ID() * (size_t)(GGUF_PANEL * k) : NULL;                     \
         if (panels) gguf_panel(W, c0, nc, wp);                                                                 \
-        for (int64_t r = 0; r < m; r += GGUF_MR) {                                                             \
-            int R = m - r < GGUF_MR ? (int)(m - r) : GGUF_MR;                                                  \
+        int64_t rows = panels ? GGUF_MR : GGUF_RR;                                                             \
+        for (int64_t r = 0; r < m; r += rows) {                                                                \
+            int R = m - r < rows ? (int)(m - r) : (int)rows;                                                   \
             int64_t step = panels ? GGUF_NR : GGUF_CG;                                                         \
             for (int64_t j = 0; j < nc; j += step) {                                                           \
                 int C = nc - j < step ? (int)(nc - j) : (int)step;                                             \
-                float res[GGUF_MR * GGUF_CG];                                                                  \
+                float res[GGUF_MR * GGUF_NR > GGUF_RR * GGUF_CG ? GGUF_MR * GGUF_NR : GGUF_RR * GGUF_CG];      \
                 int ld = C;                                                                                    \
                 if (panels) { gguf_tile_any(xf + r * k, wp + j * k, k, R, C, res); ld = GGUF_NR; }             \
-                else gguf_regs_any(xf + r * k, k, W, c0 + j, R, C, res);                                       \
+                else gguf_regs_fmt(xf + r * k, k, W, W->fmt, c0 + j, R, C, res);                       \
                 for (int i = 0; i < R; i++)                                                                    \
                     for (int jj = 0; jj < C; jj++) {                                                           \
                         float v = res[i * ld + jj];                                                            \
