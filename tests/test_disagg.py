@@ -279,6 +279,55 @@ def test_the_transfer_thread_sends_while_the_prefix_stays_locked_until_the_step_
     decode.kv_connector.close()
 
 
+def _prefill_until_done(prefill, req):
+    """Step P until ``req`` has finished (its reservation, if any, keeps P busy afterwards)."""
+    prefill.add_request(req)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline
+        if any(o.rid == req.rid and o.finished for o in prefill.step()):
+            return
+
+
+def test_a_reservation_is_sent_by_the_transfer_thread_alone_and_unlocked_on_the_step_thread(
+        model_dir, colocated, prefill):
+    """A prefill with a router's transfer_id locks its prefix when it finishes; the pull naming that id
+    is answered by the transfer thread with no step of P at all, and P's next step unlocks it."""
+    decode = _core(model_dir, disaggregation_mode="decode")
+    ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+    colocated.flush_cache()
+    prefill.flush_cache()
+    cache = prefill.scheduler.cache
+    _prefill_until_done(prefill, Request("p", PROMPT, _params(1),
+                                         kv_transfer_params={"do_remote_decode": True, "transfer_id": "r-1"}))
+    assert cache.protected_size > 0 and prefill.has_work()  # reserved for the pull
+    assert not prefill.flush_cache()
+    decode.add_request(Request("d", PROMPT, _params(), kv_transfer_params={**_remote(prefill), "transfer_id": "r-1"}))
+    deadline = time.monotonic() + 20
+    while decode.kv_connector.stats()["num_pending"]:  # P never steps
+        assert time.monotonic() < deadline, "the transfer thread did not serve the reservation"
+        decode.step()
+    assert decode.kv_connector.stats()["num_transfers"] == 1 and cache.protected_size > 0
+    got = _run([decode, prefill], [])
+    assert cache.protected_size == 0 and not prefill.has_work()
+    assert _tokens(got, "d") == _tokens(ref, "c")
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
+def test_an_unpulled_reservation_expires_and_is_unlocked(model_dir, prefill, monkeypatch):
+    from idleless.disagg import prefill as prefill_side
+    monkeypatch.setattr(prefill_side, "RESERVE_S", 0.2)
+    prefill.flush_cache()
+    _prefill_until_done(prefill, Request("p", PROMPT, _params(1),
+                                         kv_transfer_params={"do_remote_decode": True, "transfer_id": "r-2"}))
+    assert prefill.scheduler.cache.protected_size > 0
+    _run([prefill], [])  # steps until the reservation has expired and come back
+    assert prefill.scheduler.cache.protected_size == 0
+    _idle_and_clean(prefill)
+
+
 def test_ttft_split_has_four_disjoint_parts_within_the_measured_ttft(model_dir, prefill):
     """With a router's transfer_id, P times the request and sends its queue and prefill seconds with
     the KV; D adds transfer and first decode. The parts are disjoint intervals of [arrival at P, D's
@@ -288,7 +337,7 @@ def test_ttft_split_has_four_disjoint_parts_within_the_measured_ttft(model_dir, 
     t_arrival = time.monotonic()
     p_req = Request("p", PROMPT, _params(1), kv_transfer_params={"do_remote_decode": True, "transfer_id": "t-1"})
     assert p_req.arrival_time >= t_arrival
-    _run([prefill], [(prefill, [p_req])])
+    _prefill_until_done(prefill, p_req)
     params = {**_remote(prefill), "transfer_id": "t-1"}
     decode.add_request(Request("d", PROMPT, _params(), kv_transfer_params=params))
     first_token_at = None

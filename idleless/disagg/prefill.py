@@ -15,6 +15,12 @@ So the tree is only ever touched by the step thread, and the transfer thread onl
 are committed and locked (no step writes or frees them until the unlock): ``KVPool``'s one-owner rule
 holds, the tree owning those slots throughout.
 
+A request a router sent with a ``transfer_id`` does not even wait for a step boundary: when its
+prefill finishes, the step thread locks its prompt's cached prefix at once and hands it to the
+transfer thread as a reservation, which a pull naming that id (and the same tokens) is served from
+directly. A reservation not pulled within ``RESERVE_S`` is handed back and unlocked (a later pull
+takes the path above).
+
 For the TTFT split (``timing``) the connector times the requests a router sent with a
 ``transfer_id``: their queue and prefill seconds go into the header of the pull that names that id.
 """
@@ -40,6 +46,7 @@ from idleless.engine.request import Request
 log = logging.getLogger("idleless.disagg")
 
 _KEEP_TIMINGS = 4096  # prefill timings kept for pulls still to come (oldest dropped first)
+RESERVE_S = 10.0  # how long a finished prefill's prefix stays locked for the pull naming its transfer_id
 _instances = itertools.count()
 
 
@@ -59,6 +66,17 @@ class _Job:
     slots: Any  # int64 [n] pool slots, committed and locked in the tree
     handle: Optional[CacheHandle]  # the locked prefix (None when nothing is sent)
     t_recv: float  # perf_counter when the transfer thread received the pull
+    transfer_id: Optional[str] = None  # set when served from a reservation
+
+
+@dataclass(eq=False)
+class _Reservation:
+    """A finished prefill's prefix, locked on the step thread, held by the transfer thread for the
+    pull that names ``transfer_id``."""
+    transfer_id: str
+    ids: list[int]  # the prompt
+    handle: CacheHandle  # locked; covers ids[:handle.cached_len]
+    prefill_timing: dict
 
 
 @dataclass(eq=False)
@@ -97,10 +115,12 @@ class PrefillConnector(KVConnector):
         self._jobs_tx = self._pair(ctx, name + "-jobs", bind=False)  # step thread's end
         self.wake_sockets = (self._wake_rx,)
         self._to_step: queue.SimpleQueue = queue.SimpleQueue()  # ("pull", ident, head, t) | ("sent", job)
-        self._to_thread: queue.SimpleQueue = queue.SimpleQueue()  # _Job, or None: stop
-        self._in_flight = 0  # pulls handed over by the transfer thread and not yet unlocked (step thread)
+        self._to_thread: queue.SimpleQueue = queue.SimpleQueue()  # _Job | _Reservation | ("expire", id) | None
+        self._in_flight = 0  # pulls and reservations holding a lock, not yet handed back (step thread)
         self._timed: dict[str, _Timed] = {}
         self._timings: OrderedDict[str, dict] = OrderedDict()  # transfer_id -> queue/prefill seconds
+        self._reserved: dict[str, float] = {}  # transfer_id -> when its reservation expires (step thread)
+        self._held: dict[str, _Reservation] = {}  # reservations the transfer thread holds (its own)
         self._last_poll = time.monotonic()
         self._lock = threading.Lock()  # guards counters (both threads write them)
         self.counters = {"num_pulls": 0, "num_tokens_sent": 0, "bytes_sent": 0, "seconds": 0.0,
@@ -127,16 +147,21 @@ class PrefillConnector(KVConnector):
         return True
 
     def has_work(self) -> bool:
-        """Pulls on their way through the two threads hold locked prefixes: a flush or a memory
-        release must wait for them."""
+        """Pulls on their way through the two threads, and reservations, hold locked prefixes: a
+        flush or a memory release must wait for them."""
         return self._in_flight > 0
 
     def poll(self, core) -> None:
         now = time.monotonic()
         if self._timed:
             self._time_requests(now)
+        for tid, expires in list(self._reserved.items()):
+            if now >= expires:  # the transfer thread hands it back (unless a pull took it meanwhile)
+                del self._reserved[tid]
+                self._to_thread.put(("expire", tid))
+                _signal(self._jobs_tx)
         if self._in_flight and not self.sched.has_work():
-            self._wake_rx.poll(5)  # only pulls in flight: wait a little for their ends, do not spin
+            self._wake_rx.poll(5)  # only pulls or reservations: wait a little for their ends, do not spin
         while True:
             try:
                 self._wake_rx.recv(zmq.NOBLOCK)
@@ -157,25 +182,42 @@ class PrefillConnector(KVConnector):
         if items:
             core.scheduler.clock.mark("kv_transfer")
 
-    def _unlock(self, job: _Job) -> None:
+    def _unlock(self, job) -> None:
+        """A _Job sent or a _Reservation handed back: unlock its prefix."""
         if job.handle is not None:
             self.sched.cache.unlock(job.handle)
         self._in_flight -= 1
+        if job.transfer_id is not None:
+            self._reserved.pop(job.transfer_id, None)
 
     def _time_requests(self, now: float) -> None:
-        """Note admissions (at the start of the step that admitted them: the last poll) and first tokens."""
+        """Note admissions (at the start of the step that admitted them: the last poll); at a
+        request's end, its queue and prefill seconds, and a reservation of its prefix."""
         for rid, t in list(self._timed.items()):
             rec = t.rec
             if t.admitted is None and rec.cached_tokens >= 0:
                 t.admitted = max(t.added, self._last_poll)
-            if rec.first_token_time is not None and t.admitted is not None:
-                del self._timed[rid]
-                self._timings[t.transfer_id] = timing.prefill_parts(rec.arrival_time, t.admitted,
-                                                                    rec.first_token_time)
-                while len(self._timings) > _KEEP_TIMINGS:
-                    self._timings.popitem(last=False)
-            elif rec.finish_reason is not None:  # ended without a token (aborted, refused)
-                del self._timed[rid]
+            if rec.finish_reason is None:
+                continue
+            del self._timed[rid]
+            if rec.first_token_time is None or t.admitted is None:  # ended without a token (aborted)
+                continue
+            parts = timing.prefill_parts(rec.arrival_time, t.admitted, rec.first_token_time)
+            self._timings[t.transfer_id] = parts
+            while len(self._timings) > _KEEP_TIMINGS:
+                self._timings.popitem(last=False)
+            self._reserve(t.transfer_id, rec.prompt_ids, parts, now)
+
+    def _reserve(self, tid: str, ids: list[int], parts: dict, now: float) -> None:
+        cache = self.sched.cache
+        handle = cache.match_prefix(ids, hit=False)
+        if handle.cached_len == 0 or tid in self._reserved:
+            return
+        cache.lock(handle)
+        self._in_flight += 1
+        self._reserved[tid] = now + RESERVE_S
+        self._to_thread.put(_Reservation(tid, list(ids), handle, parts))
+        _signal(self._jobs_tx)
 
     def _lock_and_hand_over(self, ident: bytes, head: dict, t_recv: float) -> None:
         ids, skip, want = head["token_ids"], int(head["skip"]), int(head["want"])
@@ -215,7 +257,14 @@ class PrefillConnector(KVConnector):
                         break
                     if job is None:
                         return
-                    self._send(job)
+                    if isinstance(job, _Reservation):
+                        self._held[job.transfer_id] = job
+                    elif isinstance(job, tuple):  # ("expire", transfer_id)
+                        res = self._held.pop(job[1], None)
+                        if res is not None:
+                            self._hand_back(res)
+                    else:
+                        self._send(job)
                 if self.sock in ready:
                     while True:
                         try:
@@ -255,7 +304,23 @@ class PrefillConnector(KVConnector):
         if why is not None:
             self._reply_error(ident, head.get("rid"), why, "layout_mismatch")
             return
+        tid = head.get("transfer_id")
+        res = self._held.pop(tid, None) if isinstance(tid, str) else None
+        if res is not None:
+            end = min(res.handle.cached_len, want)
+            end -= end % self.pool.page_size
+            if ids[:end] == res.ids[:end]:
+                slots = res.handle.slots[skip:end] if end > skip else res.handle.slots[:0]
+                header = {"rid": head.get("rid"), "start": skip, "num_tokens": int(slots.numel()),
+                          "layout": self.layout, "prefill_timing": res.prefill_timing}
+                self._send(_Job(ident, header, slots, res.handle, t_recv, tid))
+                return
+            self._hand_back(res)  # other tokens under this id: the step thread matches them
         self._to_step.put(("pull", ident, head, t_recv))
+        _signal(self._wake_tx)
+
+    def _hand_back(self, res: _Reservation) -> None:
+        self._to_step.put(("sent", res))
         _signal(self._wake_tx)
 
     def _send(self, job: _Job) -> None:
@@ -294,7 +359,8 @@ class PrefillConnector(KVConnector):
     # -- either thread ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters: ``seconds`` (the transfer thread's copy and send, whose rate is ``gb_per_s``) and
-        ``wait_seconds`` (from a pull's arrival to its prefix locked on the step thread), summed."""
+        ``wait_seconds`` (from a pull's arrival to the start of its copy), summed; ``num_in_flight``:
+        pulls being served and reservations held (each holds a locked prefix)."""
         with self._lock:
             d = dict(self.counters)
         d["mode"], d["address"] = self.mode, self.address
@@ -309,6 +375,9 @@ class PrefillConnector(KVConnector):
             self._to_thread.put(None)
             _signal(self._jobs_tx)
             self._thread.join(timeout=10)
+        for res in self._held.values():  # the thread has stopped: its reservations are the step thread's
+            self._unlock(res)
+        self._held.clear()
         while True:  # pulls sent, and jobs the thread never took: unlock them all
             try:
                 item = self._to_step.get_nowait()
@@ -317,7 +386,7 @@ class PrefillConnector(KVConnector):
                     item = ("sent", self._to_thread.get_nowait())
                 except queue.Empty:
                     break
-            if item[0] == "sent" and item[1] is not None:
+            if item[0] == "sent" and isinstance(item[1], (_Job, _Reservation)):
                 self._unlock(item[1])
         for s in (self._wake_rx, self._jobs_tx):
             s.close(0)
