@@ -1,16 +1,25 @@
 """``idleless bench precision``: each weight / activation / KV-cache precision against the float model on
-one fixed text (quality) and batch-1 speed, side by side in one process (issue 14).
+one fixed text (quality), and prefill / batch-1 decode speed of the main ones beside llama.cpp on the
+same GGUF file (issue 14).
 
-    idleless bench precision [--model PATH] [--combos int8,int4,kv=int8,...] [--output r.json]
+    idleless bench precision [--model PATH] [--combos int8,int4,kv=int8,...] [--speed-combos float,auto,...]
+                             [--llamacpp /tmp/llamacpp-venv/bin/python] [--repeats 2] [--output r.json]
 
-Quality (``idleless.quant.accuracy``, the measurement of the start-up accuracy gate, which the bench
-skips: its first row is the reference): the built-in text (a few hundred tokens) is run through each
-configuration in extends of ``--chunk`` tokens (so later chunks attend to K/V read back from the quantised cache) and,
-per position, the next-token distribution is compared with the float model's: mean KL(float || quant),
-top-1 agreement, and the perplexity of the text itself. Speed: a ``--prefill-tokens`` prefill (tokens/s)
-and ``--decode-steps`` greedy batch-1 decode steps after it (tokens/s, the mean over steps). Memory: the
+Quality (one process; ``idleless.quant.accuracy``, the measurement of the start-up accuracy gate, which
+the bench skips: its first row is the reference): the built-in text (a few hundred tokens) is run
+through each configuration in extends of ``--chunk`` tokens (so later chunks attend to K/V read back
+from the quantised cache) and, per position, the next-token distribution is compared with the float
+model's: mean KL(float || quant), top-1 agreement, and the perplexity of the text itself. Memory: the
 bytes the linear layers read per forward (the quantised copies; the float master weights stay in RAM
 for weight updates) and the KV bytes per token with the tokens ``--kv-cache-memory`` buys.
+
+Speed (``--speed-combos``, and llama.cpp with ``--llamacpp PYTHON``: a Python with llama-cpp-python,
+running ``llamacpp_speed.py``): every row in its own fresh process, the rows alternating, ``--repeats``
+rounds, the median reported; the same token ids (the text repeated) and ``--threads`` for all. A
+prefill of ``--prefill-tokens`` from an empty cache (one extend for Idleless), and ``--decode-steps``
+greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
+step: the model alone, without scheduler or sampler), in tokens/s of wall time and of the process's CPU
+time (the steadier figure on a shared machine with one thread).
 
 A combination is one item of --combos: ``float`` (the reference: weights in --dtype), ``auto`` (the
 checkpoint's own format: the bundled GGUF's Q4_1 / Q8_0 blocks), ``int8``, ``fp8``, ``int4``, ``w8a8``
@@ -35,6 +44,7 @@ from idleless.quant.accuracy import compare, forward_range, next_token_logits, t
 from idleless.quant.gate import linear_weight_bytes
 
 DEFAULT_COMBOS = "float,auto,int8,fp8,int4,w8a8,kv=int8,kv=fp8_e4m3,kv=fp8_e5m2,int8+kv=fp8_e4m3,w8a8+kv=int8"
+DEFAULT_SPEED_COMBOS = "float,auto,int8,w8a8"
 
 
 def parse_combo(item: str) -> dict:
@@ -52,24 +62,26 @@ def parse_combo(item: str) -> dict:
     return out
 
 
-def measure(runner, ids: list[int], chunk: int, prefill_tokens: int, decode_steps: int) -> dict:
-    """Logits of every position of ``ids`` (``accuracy.next_token_logits``, extends of ``chunk``), then the
-    speed runs: a ``prefill_tokens`` prefill (tokens/s) and ``decode_steps`` greedy batch-1 decode steps."""
-    logits = next_token_logits(runner, ids, chunk)
-    pool = runner.pool
-    n = min(prefill_tokens, len(ids))
-    slots = pool.alloc(0, 0, n + decode_steps)
-    t0 = time.perf_counter()
-    last = forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
-    prefill_s = time.perf_counter() - t0
-    tok = int(last.argmax())
-    t0 = time.perf_counter()
-    for i in range(decode_steps):
-        tok = int(forward_range(runner, [tok], slots, n + i, torch.tensor([0])).argmax())
-    decode_s = time.perf_counter() - t0
+def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decode_steps: int) -> dict:
+    """A prefill of ids[:prefill_tokens] from an empty cache, then ``decode_steps`` greedy batch-1 steps
+    after a prefill of ids[:decode_prompt]: tokens/s of wall and of process CPU time for each."""
+    pool, n = runner.pool, prefill_tokens
+    out = {}
+    slots = pool.alloc(0, 0, n)
+    forward_range(runner, ids[:8], slots, 0, torch.tensor([7]))  # warm-up: first-call allocations
+    t0, c0 = time.perf_counter(), time.process_time()
+    forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
+    out.update(prefill_tok_s=n / (time.perf_counter() - t0), prefill_tok_s_cpu=n / (time.process_time() - c0))
     pool.free(slots)
-    return {"logits": logits, "prefill_tok_s": n / prefill_s,
-            "decode_tok_s": decode_steps / decode_s if decode_steps else None}
+    slots = pool.alloc(0, 0, decode_prompt + decode_steps)
+    tok = int(forward_range(runner, ids[:decode_prompt], slots, 0, torch.tensor([decode_prompt - 1])).argmax())
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(decode_steps):
+        tok = int(forward_range(runner, [tok], slots, decode_prompt + i, torch.tensor([0])).argmax())
+    out.update(decode_tok_s=decode_steps / (time.perf_counter() - t0),
+               decode_tok_s_cpu=decode_steps / (time.process_time() - c0))
+    pool.free(slots)
+    return out
 
 
 def _cpu_name() -> str:
@@ -80,67 +92,169 @@ def _cpu_name() -> str:
         return platform.processor()
 
 
-def run(args: argparse.Namespace) -> dict:
-    from idleless.model.loader import load_model_config, prepare_model_dir
-    from idleless.model.runner import ModelRunner
-    from idleless.cache.kv_pool import KVPool
+def _config(args: argparse.Namespace, item: str) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                        kv_cache_memory=args.kv_cache_memory, skip_quantization_gate=True, **parse_combo(item))
 
-    model_dir = prepare_model_dir(args.model)
-    ids = text_token_ids(model_dir, load_model_config(model_dir).vocab_size)
+
+def quality_rows(args: argparse.Namespace, ids: list[int]) -> list[dict]:
+    """One row per --combos item, in one process: KL / top-1 / perplexity against the first item,
+    linear bytes, KV bytes per token and the tokens --kv-cache-memory holds. Printed as they finish."""
+    from idleless.cache.kv_pool import KVPool
+    from idleless.model.runner import ModelRunner
+
     results, ref = [], None
     for item in args.combos.split(","):
-        prec = parse_combo(item)
-        cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                           kv_cache_memory=args.kv_cache_memory, skip_quantization_gate=True, **prec)
+        cfg = _config(args, item)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         load_s = time.perf_counter() - t0
-        m = measure(runner, ids, args.chunk, args.prefill_tokens, args.decode_steps)
+        logits = next_token_logits(runner, ids, args.chunk)
         if ref is None:
-            ref = m["logits"]
+            ref = logits
         mc = runner.model_config
-        row = {"combo": item, **prec, "load_s": load_s, **compare(m["logits"], ref, ids),
-               "prefill_tok_s": m["prefill_tok_s"], "decode_tok_s": m["decode_tok_s"],
+        row = {"combo": item, **parse_combo(item), "load_s": load_s, **compare(logits, ref, ids),
                "linear_bytes": linear_weight_bytes(runner.model)[0],
                "kv_bytes_per_token": KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads,
                                                             mc.head_dim, runner.dtype, cfg.kv_cache_dtype),
                "kv_tokens": runner.pool.num_slots}
         results.append(row)
-        print(_row_md(row), flush=True)
+        print(_quality_md(row), flush=True)
         del runner
+    return results
+
+
+def _speed_child(args: argparse.Namespace, ids: list[int]) -> dict:
+    from idleless.model.runner import ModelRunner
+
+    runner = ModelRunner(_config(args, args.speed_child))
+    return {"engine": "idleless", **speed(runner, ids, args.prefill_tokens, args.decode_prompt, args.decode_steps)}
+
+
+def _speed_ids(ids: list[int], n: int) -> list[int]:
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def _gguf_path(model) -> str:
+    from idleless.model.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if not path.endswith(".gguf"):
+        raise ValueError(f"--llamacpp needs a GGUF model (llama.cpp runs the same file), got {path!r}")
+    return path
+
+
+def speed_rows(args: argparse.Namespace, ids: list[int]) -> list[dict]:
+    """Every --speed-combos item (and llama.cpp with --llamacpp) in its own process, the rows
+    alternating over --repeats rounds; per row the median of each figure and every run. Raises
+    RuntimeError when a child fails (its output in the message)."""
+    import statistics
+    import tempfile
+
+    items = [c for c in args.speed_combos.split(",") if c] + (["llama.cpp"] if args.llamacpp else [])
+    common = ["--threads", str(args.threads), "--prefill-tokens", str(args.prefill_tokens),
+              "--decode-prompt", str(args.decode_prompt), "--decode-steps", str(args.decode_steps)]
+    runs: dict[str, list[dict]] = {item: [] for item in items}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(_speed_ids(ids, max(args.prefill_tokens, args.decode_prompt)), f)
+        f.flush()
+        for _ in range(args.repeats):
+            for item in items:
+                if item == "llama.cpp":
+                    cmd = [args.llamacpp, __file__.replace("precision.py", "llamacpp_speed.py"), "--gguf",
+                           _gguf_path(args.model), "--ids", f.name, *common]
+                else:
+                    cmd = [sys.executable, "-m", "idleless.bench.precision", "--speed-child", item, "--dtype",
+                           args.dtype, "--kv-cache-memory", args.kv_cache_memory, *common]
+                    cmd += ["--model", args.model] if args.model else []
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+                if p.returncode or line is None:
+                    raise RuntimeError(f"speed run {item!r} failed ({p.returncode}):\n{p.stdout[-2000:]}"
+                                       f"{p.stderr[-4000:]}")
+                runs[item].append(json.loads(line))
+                print(f"  {item}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[item][-1].items()
+                                                if isinstance(v, float)), flush=True)
+    rows = []
+    for item, rs in runs.items():
+        keys = [k for k in rs[0] if k.endswith(("tok_s", "tok_s_cpu"))]
+        rows.append({"combo": item, **{k: statistics.median(r[k] for r in rs) for k in keys},
+                     "version": rs[0].get("version"), "runs": rs})
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Quality rows (unless --combos is empty), then speed rows (unless --speed-combos is empty and
+    there is no --llamacpp); returns the JSON record."""
+    from idleless.model.loader import load_model_config, prepare_model_dir
+
+    model_dir = prepare_model_dir(args.model)
+    ids = text_token_ids(model_dir, load_model_config(model_dir).vocab_size)
+    quality = []
+    if args.combos:
+        print(QUALITY_HEADER, flush=True)
+        quality = quality_rows(args, ids)
+    speeds = []
+    if args.speed_combos or args.llamacpp:
+        print(f"speed: prefill {args.prefill_tokens} tokens, batch-1 decode {args.decode_steps} steps after "
+              f"{args.decode_prompt}, {args.threads} thread(s), {args.repeats} alternating round(s)", flush=True)
+        speeds = speed_rows(args, ids)
+        print(SPEED_HEADER)
+        for r in speeds:
+            print(_speed_md(r))
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": _cpu_name(),
             "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "model": model_dir,
-            "text_tokens": len(ids), "chunk": args.chunk, "command": " ".join(sys.argv), "results": results}
+            "text_tokens": len(ids), "chunk": args.chunk, "command": " ".join(sys.argv), "quality": quality,
+            "speed": speeds}
 
 
-HEADER = ("| combination | KL mean | KL max | top-1 | ppl | prefill tok/s | decode tok/s | linear MiB | "
-          "KV B/token | KV tokens |\n|---|---|---|---|---|---|---|---|---|---|")
+QUALITY_HEADER = ("| combination | KL mean | KL max | top-1 | ppl | linear MiB | KV B/token | KV tokens |\n"
+                  "|---|---|---|---|---|---|---|---|")
+SPEED_HEADER = ("| engine / weights | prefill tok/s (wall) | prefill tok/s (CPU) | decode tok/s (wall) | "
+                "decode tok/s (CPU) |\n|---|---|---|---|---|")
 
 
-def _row_md(r: dict) -> str:
-    dec = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "-"
+def _quality_md(r: dict) -> str:
     return (f"| {r['combo']} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.3f} | {r['perplexity']:.3f} | "
-            f"{r['prefill_tok_s']:.0f} | {dec} | {r['linear_bytes'] / 2**20:.1f} | {r['kv_bytes_per_token']} | "
-            f"{r['kv_tokens']} |")
+            f"{r['linear_bytes'] / 2**20:.1f} | {r['kv_bytes_per_token']} | {r['kv_tokens']} |")
+
+
+def _speed_md(r: dict) -> str:
+    return (f"| {r['combo']} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s_cpu']:.0f} | {r['decode_tok_s']:.1f} | "
+            f"{r['decode_tok_s_cpu']:.1f} |")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The bench's flags."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     parser.add_argument("--dtype", default="auto", help="model dtype (float32 | bfloat16 | auto)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--combos", default=DEFAULT_COMBOS, help=f"comma-separated (default {DEFAULT_COMBOS}); "
-                        "the first is the reference")
+    parser.add_argument("--threads", type=int, default=1, help="torch (and llama.cpp) threads (default 1)")
+    parser.add_argument("--combos", default=DEFAULT_COMBOS, help=f"quality rows, comma-separated (default "
+                        f"{DEFAULT_COMBOS}); the first is the reference; empty: none")
+    parser.add_argument("--speed-combos", default=DEFAULT_SPEED_COMBOS, help="speed rows, each in its own process "
+                        f"(default {DEFAULT_SPEED_COMBOS}); empty: none")
+    parser.add_argument("--llamacpp", default=None, metavar="PYTHON", help="a Python with llama-cpp-python: adds "
+                        "llama.cpp's speed on the same GGUF file (shared/baselines/setup_llamacpp.sh builds one)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of the speed rows (median)")
     parser.add_argument("--chunk", type=int, default=64, help="extend size of the quality pass (tokens)")
-    parser.add_argument("--prefill-tokens", type=int, default=256)
-    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=1000)
+    parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode steps")
+    parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--output", default=None, help="write the JSON here")
+    parser.add_argument("--speed-child", default=None, help=argparse.SUPPRESS)  # one speed row (a child process)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run, print the markdown table (rows as they finish), write --output. Returns 0."""
-    print(HEADER, flush=True)
+    """Run, print the markdown tables (quality rows as they finish), write --output. Returns 0. With
+    --speed-child: one Idleless speed row, printed as a JSON line."""
+    if args.speed_child:
+        from idleless.model.loader import load_model_config, prepare_model_dir
+
+        model_dir = prepare_model_dir(args.model)
+        ids = text_token_ids(model_dir, load_model_config(model_dir).vocab_size)
+        print(json.dumps(_speed_child(args, _speed_ids(ids, max(args.prefill_tokens, args.decode_prompt)))))
+        return 0
     res = run(args)
     print(f"\n{res['cpu']}, torch {res['torch']}, {res['threads']} thread(s), dtype {res['dtype']}, "
           f"{res['text_tokens']} text tokens")

@@ -1,0 +1,66 @@
+"""llama.cpp's speed on a GGUF file, the baseline row of ``idleless bench precision --llamacpp PYTHON``.
+
+Run by the Python of a separate venv that has llama-cpp-python (``shared/baselines/setup_llamacpp.sh``
+builds it from source for the CPU); it imports nothing from Idleless, so it runs as a file:
+
+    PYTHON idleless/bench/llamacpp_speed.py --gguf F --ids ids.json --threads 1 \\
+        --prefill-tokens 1000 --decode-prompt 16 --decode-steps 64
+
+Measures, on the token ids given (the same ids the Idleless rows use): a prefill of --prefill-tokens
+from an empty context (``Llama.eval``, llama.cpp's own batching: n_batch = the prefill, its default
+micro-batch), and --decode-steps greedy batch-1 decode steps after a --decode-prompt-token prompt
+(one ``eval`` of one token per step, the argmax of its logits). Prints one JSON line: tokens/s by wall
+time and by this process's CPU time, and llama.cpp's version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from llama_cpp import Llama, __version__
+
+
+def _timed(fn) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--ids", required=True, help="JSON list of token ids (at least --prefill-tokens)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prefill-tokens", type=int, default=1000)
+    p.add_argument("--decode-prompt", type=int, default=16)
+    p.add_argument("--decode-steps", type=int, default=64)
+    a = p.parse_args()
+    with open(a.ids) as f:
+        ids = json.load(f)
+    n = a.prefill_tokens
+    llm = Llama(model_path=a.gguf, n_ctx=max(n, a.decode_prompt + a.decode_steps) + 16, n_batch=n,
+                n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
+    llm.eval(ids[:8])  # warm-up: first-call allocations
+    llm.reset()
+    prefill_wall, prefill_cpu = _timed(lambda: llm.eval(ids[:n]))
+    llm.reset()
+    llm.eval(ids[:a.decode_prompt])
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    def decode():
+        nonlocal tok
+        for _ in range(a.decode_steps):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    decode_wall, decode_cpu = _timed(decode)
+    print(json.dumps({"engine": "llama.cpp", "version": __version__, "prefill_tok_s": n / prefill_wall,
+                      "prefill_tok_s_cpu": n / prefill_cpu, "decode_tok_s": a.decode_steps / decode_wall,
+                      "decode_tok_s_cpu": a.decode_steps / decode_cpu}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""``idleless bench precision`` on a tiny random Llama: the combination grammar, the quality rows
+against the first row (which is its own reference), the speed run's counts, and the llama.cpp
+row's refusal of a model that is not a GGUF file."""
+
+import argparse
+
+import pytest
+
+from conftest import TEST_THREADS, make_tiny_model
+from idleless.bench import precision
+from idleless.quant.accuracy import text_token_ids
+
+
+def _args(path, **kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    precision.add_args(p)
+    args = p.parse_args(["--model", path, "--dtype", "float32", "--threads", str(TEST_THREADS),
+                         "--kv-cache-memory", "2MiB"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_parse_combo():
+    assert precision.parse_combo("float") == {"weight_dtype": "bf16", "activation_dtype": "bf16",
+                                              "kv_cache_dtype": "auto"}
+    assert precision.parse_combo("w8a8+kv=int8") == {"weight_dtype": "int8", "activation_dtype": "int8",
+                                                     "kv_cache_dtype": "int8"}
+    with pytest.raises(ValueError, match="unknown precision"):
+        precision.parse_combo("int3")
+
+
+def test_quality_rows_and_speed(tmp_path):
+    path = make_tiny_model(tmp_path, seed=1)
+    ids = text_token_ids(path, 256)
+    rows = precision.quality_rows(_args(path, combos="float,int8+kv=int8"), ids)
+    ref, q = rows
+    assert ref["kl_mean"] == 0 and ref["top1"] == 1 and q["kl_mean"] > 0
+    assert q["linear_bytes"] < ref["linear_bytes"] / 3  # int8 codes + a float32 scale per row vs float32
+    assert q["kv_tokens"] > 3 * ref["kv_tokens"]  # 16 + 4 bytes per head row vs 64
+    from idleless.model.runner import ModelRunner
+    runner = ModelRunner(precision._config(_args(path), "auto"))
+    s = precision.speed(runner, precision._speed_ids(ids, 400), 400, 16, 4)
+    assert set(s) == {"prefill_tok_s", "prefill_tok_s_cpu", "decode_tok_s", "decode_tok_s_cpu"}
+    assert all(v > 0 for v in s.values())
+    assert runner.pool.num_free_slots == runner.pool.num_slots  # every slot given back
+
+
+def test_llamacpp_needs_a_gguf(tmp_path):
+    with pytest.raises(ValueError, match="GGUF"):
+        precision._gguf_path(make_tiny_model(tmp_path))
