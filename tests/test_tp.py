@@ -126,3 +126,32 @@ def test_killed_worker_ends_in_an_error_not_a_hang(tmp_path):
         assert f"pid {worker.pid}) exited with code -{int(signal.SIGKILL)}" in str(caught[0])
     finally:
         _close(engine)
+
+
+@pytest.mark.parametrize("script,message", [
+    ("import sys; sys.exit(3)", "exited with code 3"),
+    ("import pickle, sys, zmq; s = zmq.Context().socket(zmq.PUSH); s.connect(sys.argv[1]); "
+     "s.send(pickle.dumps(('failed', 1, 'Traceback: boom'))); s.close(linger=2000); sys.exit(1)",
+     "rank 1 failed to start:\nTraceback: boom"),
+], ids=["exits", "reports-a-failure"])
+def test_worker_start_failure_is_an_error(script, message):
+    """Rank 0's wait for its workers ends in TensorParallelError when a worker exits or reports a failure
+    (stand-in worker processes, so no model loads)."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from idleless.dist.group import TensorParallelError, TPGroup
+    from idleless.dist.worker import TensorParallel
+
+    ctx = zmq.Context()
+    ready = ctx.socket(zmq.PULL)
+    port = ready.bind_to_random_port("tcp://127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-c", script, f"tcp://127.0.0.1:{port}"])
+    tp = TensorParallel(None, TPGroup(0, 2), None, (ctx, ready, []), [proc])
+    try:
+        with pytest.raises(TensorParallelError, match=message):
+            tp.connect()
+    finally:
+        tp.close()

@@ -17,6 +17,7 @@ found dead before a step, or a collective that fails (peer gone or timed out), r
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import pickle
@@ -27,7 +28,7 @@ import traceback
 import weakref
 from dataclasses import replace
 
-from idleless.dist.group import TensorParallelError, TPGroup, host_store
+from idleless.dist.group import COLLECTIVE_TIMEOUT_S, TensorParallelError, TPGroup, host_store
 from idleless.dist.tp import check_shardable, checkpoint_shards, shard_model
 
 log = logging.getLogger(__name__)
@@ -116,16 +117,27 @@ class TensorParallel:
         waiting = set(range(1, self.group.size))
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting:
-            self.check_workers()
+            if ready.poll(200):
+                waiting.discard(self._report(ready))
+                continue
+            try:
+                self.check_workers()
+            except TensorParallelError:
+                if ready.poll(500):  # a failing worker reports before it exits: prefer its traceback
+                    self._report(ready)
+                raise
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} did not load within "
                                           f"{START_TIMEOUT_S:.0f} s")
-            if ready.poll(200):
-                status, rank, detail = pickle.loads(ready.recv())
-                if status != "ready":
-                    raise TensorParallelError(f"tensor-parallel rank {rank} failed to start:\n{detail}")
-                waiting.discard(rank)
         self.group.connect(self.store, self.config.device)
+
+    @staticmethod
+    def _report(ready) -> int:
+        """Read one worker's start-up report: its rank if ready, else TensorParallelError with its traceback."""
+        status, rank, detail = pickle.loads(ready.recv())
+        if status != "ready":
+            raise TensorParallelError(f"tensor-parallel rank {rank} failed to start:\n{detail}")
+        return rank
 
     def check_workers(self) -> None:
         """Raise TensorParallelError naming the first worker that has exited."""
@@ -175,7 +187,8 @@ def worker_main() -> None:
     """Entry point of ranks 1..N-1 (``python -m idleless.dist.worker``; its arguments come pickled on
     stdin from ``TensorParallel.start``): build a ModelRunner on this rank's shard, report, join the
     group, then run every plan rank 0 sends until a shutdown message, rank 0's exit (checked every
-    second) or a failed step (exit code 1)."""
+    second) or a failed step (exit code 1). Exits with ``os._exit``: nothing this process holds needs
+    flushing beyond its logs, and the runner's background loader threads would delay a normal exit."""
     import torch.distributed as dist
     import zmq
 
@@ -189,8 +202,6 @@ def worker_main() -> None:
     plans.connect(f"tcp://127.0.0.1:{plan_port}")
     try:
         from idleless.model.runner import ModelRunner
-        from idleless.dist.group import COLLECTIVE_TIMEOUT_S
-        import datetime
 
         store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, False,
                               datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -199,7 +210,9 @@ def worker_main() -> None:
     except BaseException:  # noqa: BLE001 - report any start-up failure to rank 0
         ready.send(pickle.dumps(("failed", rank, traceback.format_exc())))
         ready.close(linger=2000)
-        sys.exit(1)
+        plans.close(linger=0)
+        ctx.term()
+        os._exit(1)
     ready.send(pickle.dumps(("ready", rank, None)))
     code = 0
     try:
@@ -220,7 +233,8 @@ def worker_main() -> None:
     ready.close(linger=0)
     plans.close(linger=0)
     ctx.term()
-    sys.exit(code)
+    logging.shutdown()
+    os._exit(code)  # not sys.exit: that would wait for the runner's structured-output loader thread
 
 
 if __name__ == "__main__":
