@@ -43,6 +43,7 @@ class TPGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.PrefixStore("idleless-tp", store)
         if device.startswith("cuda"):  # untested here (no GPU on the 2-core CPU machine)
+            torch.cuda.set_device(torch.device(device))
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)

@@ -193,6 +193,8 @@ def worker_main() -> None:
     import zmq
 
     config, rank, store_port, plan_port, ready_port, parent = pickle.load(sys.stdin.buffer)
+    if config.device == "cuda":  # one GPU per rank (rank 0 keeps the default, cuda:0)
+        config = replace(config, device=f"cuda:{rank}")
     logging.basicConfig(level=str(config.log_level).upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
     ctx = zmq.Context()
