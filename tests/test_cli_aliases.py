@@ -83,12 +83,17 @@ def test_mem_fraction_out_of_range_is_refused(value, capsys):
 
 
 @pytest.mark.parametrize("flag", ["-tp", "--tp-size", "--tensor-parallel-size"])
-@pytest.mark.parametrize("value", ["2", "8", "0"])
-def test_tensor_parallelism_other_than_1_is_a_clear_error(flag, value, capsys):
+def test_tensor_parallel_size_aliases(flag):
+    assert config_from_args(parse("serve", [flag, "2"])).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("flag", ["-tp", "--tp-size", "--tensor-parallel-size"])
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_tensor_parallel_size_below_1_is_a_clear_error(flag, value, capsys):
     with pytest.raises(SystemExit) as e:
         parse("serve", [flag, value])
     assert e.value.code == 2
-    assert "tensor parallelism is not built yet" in capsys.readouterr().err
+    assert "must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_enable_metrics_is_accepted_and_changes_nothing():

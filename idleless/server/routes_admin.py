@@ -215,6 +215,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         cfg = client.config
         return JSONResponse({
             **dataclasses.asdict(cfg), "model_path": settings.model_path,
-            "tokenizer_path": cfg.tokenizer or settings.model_path, "random_seed": cfg.seed, "tp_size": 1,
+            "tokenizer_path": cfg.tokenizer or settings.model_path, "random_seed": cfg.seed,
+            "tp_size": cfg.tensor_parallel_size,
             "dp_size": 1, **settings.extra_info, "max_total_num_tokens": client.info.kv_slots,
             "max_req_input_len": client.limit_tokens, "internal_states": states, "version": app.version})
