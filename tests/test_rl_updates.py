@@ -136,3 +136,29 @@ def test_queued_requests_finish_on_old_weights_or_abort(models, tok, reference):
     assert res["num_aborted_requests"] == 1
     assert states[0].result().finish_reason == "abort"
     assert answers(engine) == reference["A"]
+
+
+def test_update_reaches_an_int4_self_draft(models, tok, reference):
+    """A self-draft (the target's own weights at int4) gets the pushed weights too: its quantised copies
+    equal a fresh self-draft's on B, so it drafts B's guesses (the same acceptance counts as a fresh B
+    engine's); the answers are B's, as any speculative output equals plain decoding's."""
+    spec = dict(speculative_algorithm="draft", speculative_draft_weight_dtype="int4", speculative_num_draft_tokens=3,
+                speculative_disable_adaptive=True, speculative_draft_kv_cache_memory="1MiB",
+                skip_quantization_gate=True)  # the gate measures with the tokenizer's text, outside this vocab
+    fresh = make_engine(models[1], tokenizer=tok, **spec)
+    want = answers(fresh)
+    engine = make_engine(models[0], tokenizer=tok, **spec)
+    assert answers(engine) == reference["A"]
+    before = engine.stats()["speculative"]
+    engine.update_weights_from_tensor(checkpoint(models[1]), weight_version="v1")
+    draft, fresh_draft = engine.core.proposer.inner, fresh.core.proposer.inner
+    assert draft.kv.cache.total_size == 0  # the draft's KV of A's weights is gone too
+    quant = [m.quant for m in draft.runner.model.modules() if hasattr(m, "quant")]
+    fresh_quant = [m.quant for m in fresh_draft.runner.model.modules() if hasattr(m, "quant")]
+    assert quant and len(quant) == len(fresh_quant)
+    for q, f in zip(quant, fresh_quant):
+        assert q.keys() == f.keys() and all(torch.equal(q[k], f[k]) for k in q)
+    assert answers(engine) == want == reference["B"]
+    s, f = engine.stats()["speculative"], fresh.stats()["speculative"]
+    for key in ("num_draft_tokens", "num_accepted_tokens"):
+        assert s[key] - before[key] == f[key] > 0, key

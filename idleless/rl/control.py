@@ -14,17 +14,16 @@ from typing import Optional
 
 from idleless.engine.messages import (DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDisk,
                                       UpdateWeightsFromDistributed, UpdateWeightsFromTensor)
-from idleless.model.weights import WeightWrites
 from idleless.rl.distributed import GroupSpec, WeightsUpdateGroup
 from idleless.rl.shm import TensorSpec, open_shared
-from idleless.rl.updates import UpdateResult, WeightUpdateError, WeightUpdater, read_checkpoint
+from idleless.rl.updates import PlannedWrites, UpdateResult, WeightUpdateError, WeightUpdater, read_checkpoint
 
 
 @dataclass
 class PendingUpdate:
     """A checked update waiting for its moment: what to write, and the verb's options."""
 
-    planned: WeightWrites
+    planned: PlannedWrites
     flush_cache: bool
     weight_version: Optional[str]
     num_aborted: int = 0

@@ -9,6 +9,11 @@
    re-processes every linear method (re-packed copies follow the new weights);
 3. empty the prefix cache unless ``flush_cache=False`` (KV computed with the old weights is never reused).
 
+A self-draft (the ``draft`` proposer drafting with the target model's own weights at a lower precision,
+``--speculative-draft-weight-dtype`` without a draft path) gets the same tensors, checked and written
+alongside (its quantised copies re-made), and its own prefix cache emptied with the target's: it keeps
+drafting the served policy (a stale draft would only lower the acceptance rate).
+
 The caller picks the moment: the engine-core loop and the offline ``Engine`` run an update only while
 no step is in progress, and with ``flush_cache`` only once the core is idle (``abort_all`` empties it
 first). Nothing here touches the scheduler's queues except through ``EngineCore.abort``.
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
@@ -38,6 +43,24 @@ class WeightUpdateError(RequestError):
 
     def __init__(self, message: str, param: Optional[str] = None):
         super().__init__(message, param=param, code="invalid_weight_update")
+
+
+class PlannedWrites(NamedTuple):
+    """A checked update: the target model's writes and, for a self-draft, the draft model's (else None)."""
+
+    target: WeightWrites
+    draft: Optional[WeightWrites]
+
+
+def self_draft(core):
+    """``core``'s draft proposer (``idleless.spec.draft.DraftModelProposer``, unwrapped from the adaptive
+    wrapper) when it drafts with the target's own weights (no draft model path), else None."""
+    proposer = getattr(core, "proposer", None)
+    proposer = getattr(proposer, "inner", proposer)
+    cfg = getattr(proposer, "config", None)
+    if getattr(proposer, "name", None) != "draft" or cfg is None or cfg.speculative_draft_model_path:
+        return None
+    return proposer
 
 
 @dataclass(frozen=True)
@@ -104,17 +127,21 @@ class WeightUpdater:
             self.core.abort(rid)
         return len(rids)
 
-    def check(self, named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = False) -> WeightWrites:
-        """Check HF-named tensors against the served model, writing nothing (``plan_weight_writes``): a
-        subset updates those parameters only; ``require_all`` requires every one, as a whole checkpoint
-        must. Raises WeightUpdateError for an unknown name, a name twice, a tensor that is not floating
-        point or of another shape, or (require_all) a missing tensor."""
+    def check(self, named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = False) -> PlannedWrites:
+        """Check HF-named tensors against the served model (and a self-draft's), writing nothing
+        (``plan_weight_writes``): a subset updates those parameters only; ``require_all`` requires every
+        one, as a whole checkpoint must. Raises WeightUpdateError for an unknown name, a name twice, a
+        tensor that is not floating point or of another shape, or (require_all) a missing tensor."""
+        named_tensors = list(named_tensors)
+        draft = self_draft(self.core)
         try:
-            return plan_weight_writes(self.core.runner.model, named_tensors, require_all=require_all)
+            return PlannedWrites(plan_weight_writes(self.core.runner.model, named_tensors, require_all=require_all),
+                                 None if draft is None else
+                                 plan_weight_writes(draft.runner.model, named_tensors, require_all=require_all))
         except ValueError as e:
             raise WeightUpdateError(f"weight update refused, the old weights keep serving: {e}") from None
 
-    def commit(self, planned: WeightWrites, *, flush_cache: bool = True, weight_version: Optional[str] = None,
+    def commit(self, planned: PlannedWrites, *, flush_cache: bool = True, weight_version: Optional[str] = None,
                num_aborted: int = 0) -> UpdateResult:
         """Write a checked update (``check``) and re-process every linear method, then empty the prefix
         cache unless ``flush_cache`` is False, then take ``weight_version`` if given.
@@ -127,9 +154,14 @@ class WeightUpdater:
             raise RuntimeError("a weight update that flushes the cache must run while no request runs")
         t0 = time.perf_counter()
         runner = self.core.runner
-        runner.prepacked_bytes = write_weights(runner.model, planned)
+        runner.prepacked_bytes = write_weights(runner.model, planned.target)
+        draft = self_draft(self.core)
+        if planned.draft is not None and draft is not None:
+            draft.runner.prepacked_bytes = write_weights(draft.runner.model, planned.draft)
         if flush_cache:
             sched.cache.reset()
+            if draft is not None:
+                draft.kv.cache.reset()
         if weight_version is not None:
             self.core.weight_version = str(weight_version)
-        return UpdateResult(self.weight_version, len(planned), flush_cache, num_aborted, time.perf_counter() - t0)
+        return UpdateResult(self.weight_version, len(planned.target), flush_cache, num_aborted, time.perf_counter() - t0)
