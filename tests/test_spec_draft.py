@@ -227,7 +227,8 @@ def q4_target(tmp_path_factory):
 def test_int4_self_draft_greedy_equal_to_plain_decoding(q4_target):
     """No draft model: ``--speculative-draft-weight-dtype int4`` drafts with the target itself on Q4_1
     blocks. Greedy outputs equal plain decoding's (the reference: the same target, no speculation),
-    some guesses accepted and some rejected, and the draft runner holds int4 weights."""
+    guesses are accepted, the draft runner holds int4 weights and its cost hint is its share of
+    the bytes read."""
     plain = EngineCore(core_config(q4_target))
     prompts = rand_prompts(7, [5, 19, 2, 33])
     lens = [14, 9, 20, 11]
@@ -236,6 +237,11 @@ def test_int4_self_draft_greedy_equal_to_plain_decoding(q4_target):
                                   speculative_num_draft_tokens=3, speculative_disable_adaptive=True))
     draft = core.proposer.inner
     assert draft.runner.weight_dtype == "int4" and core.runner.weight_dtype == "bf16"
+    # the cost hint is the ratio of weight bytes a forward reads, by hand: per layer 36,864 linear
+    # weights (qkv 128x64, o 64x64, gate_up 256x64, down 64x128) in Q4_1 blocks (20 bytes per 32),
+    # the lm_head 256x64 in Q8_0 blocks (34 bytes per 32), embedding and norms float32 in both
+    linears, head, rest = 2 * 36864, 256 * 64, 4 * (256 * 64 + 2 * 2 * 64 + 64)
+    assert draft.cost_hint == pytest.approx((linears * 20 / 32 + head * 34 / 32 + rest) / (4 * (linears + head) + rest))
     out = {}
     for i, (pr, n) in enumerate(zip(prompts, lens)):
         core.add_request(Request(f"q{i}", pr, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)))

@@ -41,8 +41,12 @@ from idleless.spec.proposer import Proposer
 GREEDY = SamplingRow(SamplingParams(temperature=0.0), None, (), ())
 
 
-def _num_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _weight_bytes(model) -> int:
+    """Bytes of weights a forward of ``model`` reads: each parameter once (tied ones too), a
+    quantised linear's held blocks (``layer.quant``, issue 14's methods) instead of its float weight."""
+    quantised = {id(m.weight): m.quant for m in model.modules() if getattr(m, "quant", None) is not None}
+    return sum(sum(t.numel() * t.element_size() for t in quantised[id(p)].values()) if id(p) in quantised
+               else p.numel() * p.element_size() for p in model.parameters())
 
 
 def check_self_draft(draft_weight_dtype: str, target_weight_dtype: Optional[str]) -> None:
@@ -117,10 +121,10 @@ class DraftModelProposer(Proposer):
                                           kv_cache_memory=config.speculative_draft_kv_cache_memory,
                                           context_length=target_runner.context_length, **precision))
         self.pool = self.runner.pool
-        # a draft step reads the draft's weights as a target step reads the target's: their size ratio
-        # (1, pessimistic, for a target runner without a model, e.g. a test's stand-in)
+        # a draft step reads the draft's weights as a target step reads the target's: their ratio in bytes
+        # (a self-draft at int4: about a quarter), 1 (pessimistic) for a target runner without a model
         target = getattr(target_runner, "model", None)
-        self.cost_hint = _num_params(self.runner.model) / max(1, _num_params(target)) if target is not None else 1.0
+        self.cost_hint = _weight_bytes(self.runner.model) / max(1, _weight_bytes(target)) if target is not None else 1.0
         self.kv = RequestKV(self.pool, make_prefix_cache(config, self.pool))
         self.seqs: dict[str, DraftSeq] = {}  # rid -> draft state, for requests proposed for and not finished
         self.forward_s = 0.0
