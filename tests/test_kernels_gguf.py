@@ -112,3 +112,27 @@ def test_zero_rows_and_hand_computed_block(fmt):
     for rows in (1, 9):
         assert torch.equal(lin(torch.ones(rows, 32)), torch.full((rows, 1), want))
     assert lin(torch.ones(0, 32)).shape == (0, 1)
+
+
+@DTYPES
+@pytest.mark.parametrize("head", [False, True], ids=["q4_1", "q8_0-head"])
+def test_default_method_runs_the_kernel_for_every_batch(dtype, head):
+    """``kernel_gemm``: the default (not deterministic) Q4_1 method and its Q8_0 head run the kernel for
+    any number of rows, so the default mode's rows are the deterministic mode's bits, batch-invariant."""
+    from idleless.model.linear import Linear
+    from idleless.quant.methods import KERNEL_MAX_ROWS, quantized_linear_method
+
+    kern = _kernels(dtype)
+    x = torch.randn(3 * KERNEL_MAX_ROWS + 5, 160, generator=torch.Generator().manual_seed(6)).to(dtype)
+    outs = []
+    for det in (False, True):
+        method = quantized_linear_method("int4", deterministic=det, kernels=kern)
+        method = method.head_method if head else method
+        lin = Linear(160, 70, bias=True, method=method)
+        g = torch.Generator().manual_seed(7)
+        lin.weight.data = (torch.randn(70, 160, generator=g) / 12).to(dtype)
+        lin.bias.data = torch.randn(70, generator=g).to(dtype)
+        method.process_after_load(lin)
+        outs.append(lin(x))
+        assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])]), outs[-1])
+    assert torch.equal(outs[0], outs[1])
