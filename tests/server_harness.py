@@ -33,8 +33,9 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m idleless.server --host 127.0.0.1 --port <free> <args>`` as a subprocess."""
 
-    def __init__(self, args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None):
-        self.port = free_port()
+    def __init__(self, args: list[str], api_key: Optional[str] = None, env: Optional[dict] = None,
+                 port: Optional[int] = None):
+        self.port = port or free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="idleless-server-", suffix=".log")
