@@ -328,6 +328,31 @@ def test_an_unpulled_reservation_expires_and_is_unlocked(model_dir, prefill, mon
     _idle_and_clean(prefill)
 
 
+def test_a_decode_engine_that_needs_no_pull_releases_the_reservation(model_dir, colocated, prefill, monkeypatch):
+    """D already holds the prompt: it pulls nothing and says so (DONE), and P unlocks the reserved
+    prefix long before the reservation would expire; D's tokens still equal the colocated engine's."""
+    from idleless.disagg import prefill as prefill_side
+    monkeypatch.setattr(prefill_side, "RESERVE_S", 300.0)
+    decode = _core(model_dir, disaggregation_mode="decode")
+    ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+    colocated.flush_cache()
+    _run([decode], [(decode, [Request("warm", PROMPT, _params(1))])])  # D caches the prompt itself
+    prefill.flush_cache()
+    _prefill_until_done(prefill, Request("p", PROMPT, _params(1),
+                                         kv_transfer_params={"do_remote_decode": True, "transfer_id": "r-3"}))
+    assert prefill.scheduler.cache.protected_size > 0
+    got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(),
+                                                     kv_transfer_params={**_remote(prefill), "transfer_id": "r-3"})])],
+               limit_s=60)  # P steps until the DONE has come and its reservation is unlocked
+    assert _tokens(got, "d") == _tokens(ref, "c")
+    st = decode.kv_connector.stats()
+    assert st["num_released"] == 1 and st["num_pulls"] == 0
+    assert prefill.scheduler.cache.protected_size == 0 and not prefill.has_work()
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+
+
 def test_ttft_split_has_four_disjoint_parts_within_the_measured_ttft(model_dir, prefill):
     """With a router's transfer_id, P times the request and sends its queue and prefill seconds with
     the KV; D adds transfer and first decode. The parts are disjoint intervals of [arrival at P, D's

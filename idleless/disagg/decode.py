@@ -95,7 +95,8 @@ class DecodeConnector(KVConnector):
         self.split_stats = timing.SplitStats()
         self._outputs: list[RequestOutput] = []
         self.counters = {"num_pulls": 0, "num_transfers": 0, "num_tokens_received": 0, "bytes_received": 0,
-                         "seconds": 0.0, "num_fallbacks": 0, "num_errors": 0, "num_skipped_tokens": 0}
+                         "seconds": 0.0, "num_fallbacks": 0, "num_errors": 0, "num_skipped_tokens": 0,
+                         "num_released": 0}
 
     # -- intake ----------------------------------------------------------------------------------
     def admit(self, core, req: Request) -> bool:
@@ -105,11 +106,13 @@ class DecodeConnector(KVConnector):
         peer = remote_endpoint(params)
         check_request(req.prompt_ids, req.params, self.sched.admission_limits())
         if req.params.prompt_logprobs is not None:
+            self._release(peer, params)
             return False  # prompt logprobs need the prompt's logits: prefilled here
         want = len(req.prompt_ids) - 1  # the last prompt token is computed here for its logits
         cache = self.sched.cache
         handle = cache.match_prefix(req.prompt_ids[:want], hit=False)
         if want - handle.cached_len < self.pool.page_size:
+            self._release(peer, params)
             return False  # nothing (or less than a page) worth pulling
         cache.lock(handle)
         sock = self.ctx.socket(zmq.DEALER)
@@ -126,6 +129,20 @@ class DecodeConnector(KVConnector):
         self.counters["num_pulls"] += 1
         self.counters["num_skipped_tokens"] += handle.cached_len
         return True
+
+    def _release(self, peer: str, params: dict) -> None:
+        """Tell the prefill engine that no pull will name this ``transfer_id`` (it unlocks the prefix
+        it reserved for one); nothing is answered, and a message that does not arrive only leaves the
+        reservation to expire."""
+        tid = params.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            return
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)  # closed at once: up to 1 s for the message to leave
+        sock.connect(peer)
+        sock.send_multipart([wire.DONE, wire.encode_header({"transfer_id": tid})], zmq.NOBLOCK)
+        sock.close()
+        self.counters["num_released"] += 1
 
     def abort(self, rid: str) -> bool:
         p = self.pending.pop(rid, None)

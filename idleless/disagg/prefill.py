@@ -18,8 +18,8 @@ holds, the tree owning those slots throughout.
 A request a router sent with a ``transfer_id`` does not even wait for a step boundary: when its
 prefill finishes, the step thread locks its prompt's cached prefix at once and hands it to the
 transfer thread as a reservation, which a pull naming that id (and the same tokens) is served from
-directly. A reservation not pulled within ``RESERVE_S`` is handed back and unlocked (a later pull
-takes the path above).
+directly. A reservation is handed back and unlocked when the decode engine says it will not pull
+(``DONE``: it holds the prompt already) or after ``RESERVE_S`` (a later pull takes the path above).
 
 For the TTFT split (``timing``) the connector times the requests a router sent with a
 ``transfer_id``: their queue and prefill seconds go into the header of the pull that names that id.
@@ -282,6 +282,9 @@ class PrefillConnector(KVConnector):
     def _accept(self, frames) -> None:
         """Check a message; a valid pull goes to the step thread, anything else is answered here."""
         t_recv = time.perf_counter()
+        if len(frames) == 3 and frames[1].bytes == wire.DONE:
+            self._release(frames[2].bytes)
+            return
         if len(frames) < 3 or frames[1].bytes != wire.PULL:
             self._count("num_bad_messages", 1)
             if len(frames) >= 2:
@@ -318,6 +321,19 @@ class PrefillConnector(KVConnector):
             self._hand_back(res)  # other tokens under this id: the step thread matches them
         self._to_step.put(("pull", ident, head, t_recv))
         _signal(self._wake_tx)
+
+    def _release(self, raw: bytes) -> None:
+        """A decode engine will not pull this transfer_id: hand its reservation back."""
+        try:
+            tid = wire.decode_header(raw).get("transfer_id")
+        except ValueError:
+            tid = None
+        if not isinstance(tid, str):
+            self._count("num_bad_messages", 1)
+            return
+        res = self._held.pop(tid, None)
+        if res is not None:  # else: pulled, expired, or not held yet (it then expires)
+            self._hand_back(res)
 
     def _hand_back(self, res: _Reservation) -> None:
         self._to_step.put(("sent", res))

@@ -1,13 +1,18 @@
 """The KV transfer wire format over ZMQ (the ``tcp`` transfer backend).
 
 Decode -> prefill (DEALER -> ROUTER), one message per request: ``[b"PULL", header]`` with the header a
-JSON object ``{"rid", "token_ids": [...], "skip": s, "want": w, "layout": {...}}``: send the KV of
-``token_ids[s:w]`` (D already holds ``token_ids[:s]``; ``w`` is the most it can use).
+JSON object ``{"rid", "token_ids": [...], "skip": s, "want": w, "layout": {...}}`` (+ the router's
+``"transfer_id"`` when it gave one): send the KV of ``token_ids[s:w]`` (D already holds
+``token_ids[:s]``; ``w`` is the most it can use).
+
+Or ``[b"DONE", header]`` ``{"transfer_id"}``: no pull will name that id (D holds the prompt already, or
+prefills it itself); P unlocks the prefix it reserved for it. Not answered.
 
 Prefill -> decode: ``[b"KV", header, k, v]`` (+ ``k_scale, v_scale`` for a quantised cache) with
 ``{"rid", "start": s, "num_tokens": n, "layout"}``: raw tensors ``[num_layers, n, num_kv_heads,
 head_dim]`` in the pool's stored dtype (scales float32 ``[num_layers, n, num_kv_heads]``), C order;
-``n`` may be 0 (P holds nothing past ``s``) and ``s + n`` ends at a page of P. Or ``[b"ERR", header]``
+``n`` may be 0 (P holds nothing past ``s``) and ``s + n`` ends at a page of P; with a ``transfer_id``
+P timed, the header also has ``"prefill_timing": {"queue_s", "prefill_s"}`` (``timing``). Or ``[b"ERR", header]``
 ``{"rid", "error", "code"}``; ``code`` ``layout_mismatch`` when the two pools store different shapes or
 dtypes (``--kv-cache-dtype`` differs): refused, never converted.
 """
@@ -20,7 +25,7 @@ from typing import Optional
 
 import torch
 
-PULL, KV, ERR = b"PULL", b"KV", b"ERR"
+PULL, KV, ERR, DONE = b"PULL", b"KV", b"ERR", b"DONE"
 MAX_HEADER_BYTES = 64 << 20
 
 
