@@ -149,3 +149,31 @@ def test_precision_gauges():
     plain.set_precision({"weight_dtype": "bf16", "activation_dtype": "bf16", "kv_cache_dtype": "auto",
                          "bytes_per_weight": 4.0, "kv_bytes_per_token": 100, "kl": None, "top1": None})
     assert "quantization_kl" not in plain.render().decode()
+
+
+def test_server_info_and_metrics_show_the_gate(tiny, smollm2_dir):
+    """Through the engine-core process: its CoreReady carries the runner's precision report to
+    /server_info and /metrics (the tiny model borrows SmolLM2's tokenizer for the frontend)."""
+    import asyncio
+
+    import httpx
+
+    from idleless.server.app import ServerSettings, build_app
+    from idleless.server.engine_client import EngineClient
+
+    async def run():
+        client = await EngineClient.start(_config(tiny, "int8", tokenizer=smollm2_dir), startup_timeout=600)
+        try:
+            app = build_app(client, ServerSettings(model_names=["tiny"]))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                info = (await http.get("/server_info")).json()["precision"]
+                metrics = (await http.get("/metrics")).text
+        finally:
+            await client.shutdown()
+        return info, metrics
+
+    info, metrics = asyncio.run(run())
+    assert info["gate"] == "passed" and info["weight_dtype"] == "int8" and 0 < info["kl"] < 0.1
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert samples["idleless:quantization_kl"] == info["kl"]
+    assert samples["idleless:quantization_top1_agreement"] == info["top1"]

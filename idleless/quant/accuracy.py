@@ -47,7 +47,8 @@ KL_BLOCK = 32
 def text_token_ids(tokenizer_path: str, vocab_size: int) -> list[int]:
     """``TEXT`` as token ids of the model's tokenizer: ``tokenizer_path``/tokenizer.json through the
     ``tokenizers`` library (what transformers' fast tokenizers wrap; its post-processor decides special
-    tokens; SmolLM2 adds none). A directory without tokenizer.json (the tests' tiny random models) gets
+    tokens; SmolLM2 adds none), each id modulo ``vocab_size`` (a tokenizer lent to a model with a smaller
+    vocabulary, as the tests do, still gives valid ids). A directory without tokenizer.json (the tests' tiny random models) gets
     the text's first ``BYTE_TOKENS`` UTF-8 bytes, each modulo ``vocab_size``: a fixed sequence of valid ids. Raises
     what ``tokenizers.Tokenizer.from_file`` raises for a broken file."""
     path = os.path.join(tokenizer_path, "tokenizer.json")
@@ -55,7 +56,7 @@ def text_token_ids(tokenizer_path: str, vocab_size: int) -> list[int]:
         return [b % vocab_size for b in TEXT.encode()[:BYTE_TOKENS]]
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path).encode(TEXT).ids
+    return [i % vocab_size for i in Tokenizer.from_file(path).encode(TEXT).ids]
 
 
 def forward_range(runner, ids: list[int], slots: torch.Tensor, start: int, rows: torch.Tensor) -> torch.Tensor:
