@@ -22,7 +22,7 @@ draft pool never fails the target's step: the request proposes nothing and its d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 import torch
@@ -117,7 +117,10 @@ class DraftModelProposer(Proposer):
             check_self_draft(weight_dtype, getattr(target_runner, "weight_dtype", None))
         precision = {} if weight_dtype is None else {"weight_dtype": weight_dtype, "activation_dtype": "bf16"}
         self.config = config
-        self.runner = ModelRunner(replace(config, model=draft_dir, speculative_algorithm=None,
+        # the draft runner's config: no speculation of its own (the speculative_* fields at their defaults,
+        # so it logs no "set without --speculative-algorithm" warning)
+        plain = {f.name: f.default for f in fields(EngineConfig) if f.name.startswith("speculative_")}
+        self.runner = ModelRunner(replace(config, **plain, model=draft_dir,
                                           kv_cache_memory=config.speculative_draft_kv_cache_memory,
                                           context_length=target_runner.context_length, **precision))
         self.pool = self.runner.pool
