@@ -188,8 +188,10 @@ class ResponsesStream:
         self.shell, self.sub = shell, sub
         self.ts = ToolStream(tools)
         self.seq = 0
-        self.output: list[dict] = []  # finished items
+        self.output: dict[int, dict] = {}  # output_index -> finished item
+        self.next_index = 0  # the output_index the next item (message or call) takes, in the order opened
         self.msg_id: Optional[str] = None
+        self.msg_index = 0
         self.text = ""
         self.calls: dict[int, dict] = {}  # tool-call index -> its item (open)
 
@@ -205,11 +207,11 @@ class ResponsesStream:
     def _close_message(self) -> list[str]:
         if self.msg_id is None:
             return []
-        idx = len(self.output)
+        idx = self.msg_index
         item = _message_item(self.msg_id, self.text)
         part = item["content"][0]
-        self.output.append(item)
-        self.msg_id = None
+        self.output[idx] = item
+        self.msg_id, self.text = None, ""
         return [self._ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
                          text=self.text, logprobs=[]),
                 self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
@@ -220,23 +222,24 @@ class ResponsesStream:
         final = d.finish_reason is not None
         text, calls = self.ts.feed(d.text, final)
         out: list[str] = []
-        idx = len(self.output)
         if text:
             if self.msg_id is None:
                 self.msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+                self.msg_index, self.next_index = self.next_index, self.next_index + 1
+                idx = self.msg_index
                 out.append(self._ev("response.output_item.added", output_index=idx,
                                     item={**_message_item(self.msg_id, "", "in_progress"), "content": []}))
                 out.append(self._ev("response.content_part.added", item_id=self.msg_id, output_index=idx,
                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
             self.text += text
-            out.append(self._ev("response.output_text.delta", item_id=self.msg_id, output_index=idx,
+            out.append(self._ev("response.output_text.delta", item_id=self.msg_id, output_index=self.msg_index,
                                 content_index=0, delta=text, logprobs=[]))
         for c in calls:
             if c.id is not None:
                 out += self._close_message()
                 item = _call_item(c.id, c.function.name, "", "in_progress")
                 self.calls[c.index] = item
-                item["output_index"] = len(self.output) + len(self.calls) - 1
+                item["output_index"], self.next_index = self.next_index, self.next_index + 1
                 out.append(self._ev("response.output_item.added", output_index=item["output_index"],
                                     item={k: v for k, v in item.items() if k != "output_index"}))
             item = self.calls[c.index]
@@ -253,8 +256,9 @@ class ResponsesStream:
                 out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=oi,
                                     arguments=item["arguments"]))
                 out.append(self._ev("response.output_item.done", output_index=oi, item=item))
-                self.output.append(item)
-            body = self.shell.body("completed", self.output, _usage(self.sub), d.finish_reason)
+                self.output[oi] = item
+            items = [self.output[i] for i in sorted(self.output)]
+            body = self.shell.body("completed", items, _usage(self.sub), d.finish_reason)
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
             out.append(self._ev(kind, response=body))
         return "".join(out) or None
