@@ -142,8 +142,6 @@ def test_a_replica_that_cannot_start_fails_the_launch(ray_cluster, tmp_path):
     assert _wait_cpus_free(ray, 2.0) == 2.0  # the other replica's actor was stopped too
 
 
-@pytest.mark.skip(reason="flaky: in a fresh-clone make test the launcher was still alive 120 s after Ctrl-C "
-                         "(killed, exit -9); passed 3 times alone and in targeted runs; the cause is open (issue 17)")
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ctrl_c_while_replicas_start_stops_the_actors(ray_cluster, tiny_chat_model):
@@ -157,7 +155,9 @@ def test_ctrl_c_while_replicas_start_stops_the_actors(ray_cluster, tiny_chat_mod
         assert "replicas placed on Ray" in srv.log(), srv.log()[-3000:]
         assert ray.available_resources().get("CPU", 0.0) == 0.0
     finally:
-        code = srv.stop(signal.SIGINT)  # Ctrl-C: the terminal's process group, which the actors are not in
+        # Ctrl-C: the terminal's process group, which the actors are not in. The launcher's stop is bounded
+        # (drain grace 30 s + STOP_MARGIN_S + SHUTDOWN_TIMEOUT_S); 180 s leaves room on a loaded machine.
+        code = srv.stop(signal.SIGINT, timeout=180)
         log = srv.log()
     assert code == 0, log[-3000:]
     assert _wait_cpus_free(ray, 2.0) == 2.0

@@ -46,6 +46,8 @@ log = logging.getLogger("idleless.router")
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group still pending after this: the cluster lacks the resources
 ACTOR_START_TIMEOUT_S = 300.0  # an actor process (a Ray worker importing idleless) reporting its URL
 CALL_TIMEOUT_S = 30.0  # one call to a live actor
+STOP_MARGIN_S = 30.0  # stop_replicas: beyond the drain grace, for the actors' SIGKILL of a replica and Ray's calls
+SHUTDOWN_TIMEOUT_S = 30.0  # stop_replicas: ray.shutdown() (disconnecting from the cluster)
 
 
 def _import_ray():
@@ -214,23 +216,37 @@ def wait_ready(reps: RayReplicas, urls: list[str], timeout_s: float) -> None:
 def stop_replicas(reps: RayReplicas, grace_s: float) -> None:
     """Stop every replica (each drains for up to ``grace_s``), kill the actors, remove the placement
     group and, if ``start_replicas`` connected, disconnect from Ray. Never raises for an actor that
-    is already gone."""
+    is already gone.
+
+    Bounded: the actors' ``stop`` calls are awaited together for ``grace_s`` + STOP_MARGIN_S at
+    most; an actor still busy then is force-killed (``ray.kill``: its replica stops itself when its
+    parent is gone), and ``ray.shutdown`` gets SHUTDOWN_TIMEOUT_S. Raises RuntimeError, after
+    everything is released, when an actor had to be force-killed or Ray did not disconnect in time
+    (the caller exits non-zero)."""
     import ray
 
     if not ray.is_initialized():
         return
+    problems = []
     try:
         refs = [a.stop.remote(grace_s) for a in reps.actors]
-        for r in refs:
-            try:
-                ray.get(r, timeout=grace_s + 20)
-            except ray.exceptions.RayError:
-                pass
-        for a in reps.actors:
+        wait_s = grace_s + STOP_MARGIN_S
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
+        for i, (a, r) in enumerate(zip(reps.actors, refs)):
+            if r not in done:
+                log.error("replica actor %d did not stop within %.0f s: force-killing it", i, wait_s)
+                problems.append(f"replica actor {i} force-killed after {wait_s:.0f} s")
             ray.kill(a)
         if reps.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(reps.placement_group)
     finally:
         if reps.connected:
-            ray.shutdown()
+            t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+            t.start()
+            t.join(SHUTDOWN_TIMEOUT_S)
+            if t.is_alive():
+                log.error("ray.shutdown() did not return within %.0f s: leaving without it", SHUTDOWN_TIMEOUT_S)
+                problems.append(f"ray.shutdown() still running after {SHUTDOWN_TIMEOUT_S:.0f} s")
+    if problems:
+        raise RuntimeError("the Ray replicas did not stop cleanly: " + "; ".join(problems))
