@@ -1922,6 +1922,34 @@ int q80_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t
 DEFINE_GGUF_LINEAR(f32, float)
 DEFINE_GGUF_LINEAR(bf16, uint16_t)
 
+/* ---- Dequantising a tile of output rows (the product of larger batches runs in the GEMM library) ----
+ * Rows [0, n) of a GGUF block tensor to float32 w [n, k]: Q4_1 m + d * code, Q8_0 d * code (products in
+ * float32, as idleless.quant.formats' dequantize functions). */
+void q41_dequant(const uint8_t *qs, const uint16_t *d, const uint16_t *mn, int64_t n, int64_t k, float *w) {
+    int64_t nb = k / 32;
+    _Pragma("omp parallel for if (n * k >= PAR_MIN_WORK)")
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *q = qs + (r * nb + b) * 16;
+            float db = f16_to_f32(d[r * nb + b]), mb = f16_to_f32(mn[r * nb + b]);
+            float *o = w + r * k + 32 * b;
+            for (int j = 0; j < 16; j++) {
+                o[j] = mb + db * (float)(q[j] & 0x0f);
+                o[j + 16] = mb + db * (float)(q[j] >> 4);
+            }
+        }
+}
+
+void q80_dequant(const int8_t *q, const uint16_t *d, int64_t n, int64_t k, float *w) {
+    int64_t nb = k / 32;
+    _Pragma("omp parallel for if (n * k >= PAR_MIN_WORK)")
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            float db = f16_to_f32(d[r * nb + b]);
+            for (int j = 0; j < 32; j++) w[r * k + 32 * b + j] = db * (float)q[(r * nb + b) * 32 + j];
+        }
+}
+
 /* ---- fp8 weights per output channel: q8_linear with the bytes decoded through lut[256] --------------
  * (the format's value of each byte pattern), so any 8-bit float format runs on one kernel:
  *   out[r, c] = T(scale[c] * sum_k x[r, k] lut[q[c, k]] + bias[c]); fixed-order float32 sums. */

@@ -68,6 +68,8 @@ _SIGNATURES_INT = {
     "q80_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "lut8_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
 }
+# kernels of one version whatever the dtype (float32 outputs)
+_DTYPE_FREE = {"q41_dequant": [_P, _P, _P, _I, _I, _P], "q80_dequant": [_P, _P, _I, _I, _P]}
 # kernels without a float32 twin: name -> (argtypes, restype)
 _BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
               "amx_linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
@@ -176,6 +178,10 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             setattr(self, f"_{name}", fn)
         lib.amx_available.argtypes, lib.amx_available.restype = [], ctypes.c_int
+        for name, argtypes in _DTYPE_FREE.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+            setattr(self, f"_{name}", fn)
         # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
@@ -549,6 +555,28 @@ class CpuKernels:
                                                n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("q80_linear: cannot allocate the row buffer")
         return out
+
+    def q41_dequant(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """GGUF Q4_1 blocks (qs uint8 [n, K/32, 16], d and m float16 [n, K/32], contiguous) -> new float32
+        [n, K]: m + d * code, as ``formats.dequantize_q4_1``. Raises ValueError on a layout mismatch."""
+        n, nb, _ = qs.shape
+        if (qs.dtype != torch.uint8 or qs.shape[2] != 16 or not qs.is_contiguous()
+                or any(t.dtype != torch.float16 or t.shape != (n, nb) or not t.is_contiguous() for t in (d, m))):
+            raise ValueError("q41_dequant: layout mismatch")
+        w = torch.empty(n, nb * 32, dtype=torch.float32)
+        self._q41_dequant(qs.data_ptr(), d.data_ptr(), m.data_ptr(), n, nb * 32, w.data_ptr())
+        return w
+
+    def q80_dequant(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """GGUF Q8_0 blocks (q int8 [n, K/32, 32], d float16 [n, K/32], contiguous) -> new float32 [n, K]:
+        d * code, as ``formats.dequantize_q8_0``. Raises ValueError on a layout mismatch."""
+        n, nb, _ = q.shape
+        if (q.dtype != torch.int8 or q.shape[2] != 32 or not q.is_contiguous() or d.dtype != torch.float16
+                or d.shape != (n, nb) or not d.is_contiguous()):
+            raise ValueError("q80_dequant: layout mismatch")
+        w = torch.empty(n, nb * 32, dtype=torch.float32)
+        self._q80_dequant(q.data_ptr(), d.data_ptr(), n, nb * 32, w.data_ptr())
+        return w
 
     def lut8_linear(self, x: torch.Tensor, q: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor,
                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:

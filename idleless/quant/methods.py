@@ -4,10 +4,10 @@
 never the whole weight) and multiplies; W8A8 sums integer products exactly. With the CPU kernels
 (``q8_linear``, ``lut8_linear``, ``w8a8_linear``), batches of up to ``KERNEL_MAX_ROWS`` rows (decode,
 speculative verify) read the quantised weight directly instead. The GGUF formats' kernels
-(``q41_linear``, ``q80_linear``) run every batch (``kernel_gemm``): from a few rows on they decode a panel
-of the weight once into a cache-resident float buffer and tile over it, as fast as dequantising into the
-GEMM library at prefill (benchmarks/README.md, issue 11), with one summation order for any number of
-rows, so the default and the deterministic mode run the same product.
+(``q41_linear``, ``q80_linear``) have a GEMM tiling (a panel of the weight decoded once into a
+cache-resident float buffer) and run batches of up to ``GGUF_KERNEL_MAX_ROWS`` rows, where they were
+measured faster than dequantising into the GEMM library (benchmarks/README.md, issue 11); larger batches
+have their tiles dequantised in C (``q41_dequant`` / ``q80_dequant``) into the library's GEMM.
 
 The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
 weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
@@ -41,6 +41,9 @@ COL_TILE = 2048
 DETERMINISTIC_ROW_TILE = 16
 #: most rows a call sends to the C kernels (which read each weight row once per row of x)
 KERNEL_MAX_ROWS = 16
+#: most rows the default mode sends to the GGUF kernels (their panel GEMM); above, dequantising into the
+#: GEMM library measured faster on an AVX2 EPYC (benchmarks/README.md, issue 11)
+GGUF_KERNEL_MAX_ROWS = 256
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -54,10 +57,9 @@ class QuantizedLinearMethod(LinearMethod):
     lm_head (an output layer is kept at 8 bits, as llama.cpp's files keep it).
     kernels: a ``cpu_kernels.CpuKernels`` of the model dtype or None. With row_tile (deterministic)
     and kernels, every batch runs on the kernel, whose rows do not depend on the batch; row tiles are
-    the path without a kernel. ``kernel_gemm``: the kernel is the product for every batch in the default
-    mode too (it has a GEMM tiling for large batches); else only up to ``KERNEL_MAX_ROWS`` rows."""
+    the path without a kernel. ``kernel_rows``: the most rows the default mode sends to the kernel."""
 
-    kernel_gemm = False
+    kernel_rows = KERNEL_MAX_ROWS
 
     def __init__(self, row_tile: Optional[int] = None, kernels=None):
         self.row_tile = row_tile
@@ -82,10 +84,10 @@ class QuantizedLinearMethod(LinearMethod):
         return _nbytes(*layer.quant.values())
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        # deterministic or kernel_gemm: the kernel for any M (a row's bits then never depend on the batch);
-        # else only for small batches, larger ones are faster dequantised tile by tile into the GEMM library
-        if self.kernels is not None and 0 < x.shape[0] and (self.row_tile is not None or self.kernel_gemm
-                                                            or x.shape[0] <= KERNEL_MAX_ROWS):
+        # deterministic: the kernel for any M (a row's bits then never depend on the batch); else up to
+        # kernel_rows, larger batches are faster dequantised tile by tile into the GEMM library
+        if self.kernels is not None and 0 < x.shape[0] and (self.row_tile is not None
+                                                            or x.shape[0] <= self.kernel_rows):
             y = self.kernel_apply(layer, x)
             if y is not None:
                 return y
@@ -152,14 +154,17 @@ class Q8_0LinearMethod(QuantizedLinearMethod):
     the output layer of ``Q4LinearMethod``, as llama.cpp's files keep it (the bundled SmolLM2's tied
     embedding is Q8_0). Raises ValueError at load for in_features not divisible by 32."""
 
-    kernel_gemm = True
+    kernel_rows = GGUF_KERNEL_MAX_ROWS
 
     def quantize(self, weight):
         q, d = quantize_q8_0(weight)
         return {"q": q, "d": d}
 
     def tile(self, layer, n0, n1, dtype):
-        return dequantize_q8_0(layer.quant["q"][n0:n1], layer.quant["d"][n0:n1], dtype), None
+        q, d = layer.quant["q"][n0:n1], layer.quant["d"][n0:n1]
+        if self.kernels is not None:
+            return self.kernels.q80_dequant(q, d).to(dtype), None
+        return dequantize_q8_0(q, d, dtype), None
 
     def kernel_apply(self, layer, x):
         return self.kernels.q80_linear(x, layer.quant["q"], layer.quant["d"], layer.bias)
@@ -170,7 +175,7 @@ class Q4LinearMethod(QuantizedLinearMethod):
     block, the default) or Q4_0 (step only). The output layer runs in Q8_0 (``head_method``).
     Raises ValueError at load for in_features not divisible by 32."""
 
-    kernel_gemm = True  # Q4_1's; Q4_0 has no kernel (kernel_apply None: the tiles)
+    kernel_rows = GGUF_KERNEL_MAX_ROWS  # Q4_1's; Q4_0 has no kernel (kernel_apply None: the tiles)
 
     def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1", kernels=None):
         super().__init__(row_tile, kernels)
@@ -195,7 +200,10 @@ class Q4LinearMethod(QuantizedLinearMethod):
     def tile(self, layer, n0, n1, dtype):
         qt = layer.quant
         if self.layout == "q4_1":
-            return dequantize_q4_1(qt["qs"][n0:n1], qt["d"][n0:n1], qt["m"][n0:n1], dtype), None
+            parts = qt["qs"][n0:n1], qt["d"][n0:n1], qt["m"][n0:n1]
+            if self.kernels is not None:
+                return self.kernels.q41_dequant(*parts).to(dtype), None
+            return dequantize_q4_1(*parts, dtype), None
         return dequantize_q4_0(qt["qs"][n0:n1], qt["d"][n0:n1], dtype), None
 
 
