@@ -123,7 +123,7 @@ class RopeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qk, cos, sin, ops, state):
         ctx.save_for_backward(cos, sin)
-        return ops.rope(qk.contiguous().clone(), state)
+        return ops.rope(qk.clone(memory_format=torch.contiguous_format), state)
 
     @staticmethod
     def backward(ctx, dy):
