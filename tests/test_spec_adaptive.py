@@ -169,3 +169,33 @@ def test_before_any_measurement_only_a_free_proposer_speculates():
 
     assert AdaptiveProposer(Heavy(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [0, 0]
     assert AdaptiveProposer(Fixed(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [3, 3]
+
+
+def test_a_prompt_catch_up_is_not_charged_to_the_draft_steps(monkeypatch):
+    """A draft model that caught a new prompt up in its first forward reports those seconds
+    (``last_catchup_s``): the seconds per draft step are the rest over the other steps (a scripted
+    clock: 1.0 s in propose, 0.9 s of it catch-up, 3 guesses -> 0.05 s per draft step; without
+    catch-up the same call is 1/3 s per step)."""
+    from idleless.spec import adaptive
+    from idleless.spec.proposer import Proposer
+
+    class Inner(Proposer):
+        name, cost_hint = "scripted", 0.5
+
+        def __init__(self):
+            self.catchup = 0.0
+
+        def propose(self, requests, max_tokens):
+            self.last_catchup_s = self.catchup
+            return [[1, 2, 3] for _ in requests]
+
+    ticks = itertools.count()
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: (lambda i: 10.0 * (i // 2) + i % 2)(next(ticks)))
+    inner = Inner()
+    req = types.SimpleNamespace(rid="a")
+    for catchup, per_step in ((0.9, 0.05), (0.0, 1 / 3)):
+        ctl = adaptive.AdaptiveProposer(inner, max_draft=3, adaptive=False)
+        inner.catchup = catchup
+        for _ in range(adaptive.MIN_SAMPLES):
+            ctl.propose([req], [3])
+        assert ctl.draft_step_cost.predict(1) == pytest.approx(per_step)

@@ -195,7 +195,11 @@ class AdaptiveProposer(Proposer):
         self.draft_seconds += dt
         depth = max(map(len, drafts))
         if depth:
-            self.draft_step_cost.add(sum(1 for d in drafts if d), dt / depth)
+            catchup = self.inner.last_catchup_s  # a prompt caught up: its forward is no draft step
+            if not catchup:
+                self.draft_step_cost.add(sum(1 for d in drafts if d), dt / depth)
+            elif depth > 1:
+                self.draft_step_cost.add(sum(1 for d in drafts if d), max(dt - catchup, 0.0) / (depth - 1))
             self.num_steps_on += 1
         self._drift([r for r, d in zip(requests, drafts) if not d])
         return drafts

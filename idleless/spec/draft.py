@@ -138,6 +138,7 @@ class DraftModelProposer(Proposer):
         still being caught up (chunked), that the step's token budget (``max_prefill_tokens``) left out,
         or that the draft pool cannot hold. Runs 1 + (max k - 1) draft forwards."""
         out: list[list[int]] = [[] for _ in requests]
+        self.last_catchup_s = 0.0
         chunk = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else None
         budget = self.config.max_prefill_tokens
         work = []  # (index, seq, catch-up tokens, guesses wanted: 0 while not caught up)
@@ -156,7 +157,12 @@ class DraftModelProposer(Proposer):
             return out
         plan = [ScheduledRequest(s.rid, s.all_ids[s.num_computed:s.num_computed + n], n, s.num_computed,
                                  s.slots[:s.num_computed + n], GREEDY if k else None) for _, s, n, k in work]
-        for (i, seq, n, k), toks in zip(work, self._execute(plan)):
+        t0 = time.perf_counter()
+        first = self._execute(plan)
+        # a first forward that also caught a prompt up (more than the 1-2 tokens the target last
+        # accepted) is no draft step: its seconds are reported apart (Proposer.last_catchup_s)
+        self.last_catchup_s = time.perf_counter() - t0 if max(n for _, _, n, _ in work) > 2 else 0.0
+        for (i, seq, n, k), toks in zip(work, first):
             seq.num_computed += n
             if n > 1:
                 self.kv.cache_computed(seq)  # share the prompt with later requests at once

@@ -29,6 +29,9 @@ class Proposer:
     # A draft step's seconds relative to a target step of the same batch, assumed until measured
     # (0: guessing is free, e.g. lookups in text already seen).
     cost_hint = 0.0
+    # Seconds of the last ``propose`` that were not draft steps (a draft model catching up on a new
+    # prompt): the adaptive cost model leaves them out of the seconds per draft step.
+    last_catchup_s = 0.0
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
         """One list of guessed next token ids per decoding request, the i-th at most
