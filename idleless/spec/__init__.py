@@ -3,7 +3,8 @@ step is an ordinary extend and acceptance happens in ``Scheduler.commit``.
 
 ``make_proposer(config, runner)`` builds what ``--speculative-algorithm`` names: ``ngram``
 (``ngram.NgramProposer``: prompt lookup + a suffix index over recent outputs) or ``draft``
-(``draft.DraftModelProposer``: a smaller model with its own KV pool and radix cache), wrapped in
+(``draft.DraftModelProposer``: a smaller model with its own KV pool and radix cache, or the target
+itself at ``--speculative-draft-weight-dtype`` int4/int8/fp8, the self-draft), wrapped in
 ``adaptive.AdaptiveProposer`` (per-request draft length from an acceptance EMA, and speculation
 switched off for a step when a measured cost model says plain decoding is faster)."""
 
