@@ -22,6 +22,7 @@ master copy to differentiate or update: refused here (train on the float checkpo
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -142,13 +143,14 @@ def pair_logprobs(model: nn.Module, attention, pairs: Sequence[tuple[Sequence[in
         row += len(seq)
     if not targets:
         return [torch.empty(0) for _ in pairs]
-    starts = [row - n for row, n in zip(torch.tensor(lens).cumsum(0).tolist(), lens)]
+    starts = [end - n for end, n in zip(accumulate(lens), lens)]
     slots = [torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, lens)]
     plan = attention.prepare(AttnWork(Tails(starts, lens, [0] * len(lens), slots)))
 
     def attend(q, k, v):
         return attention.forward(q, k.contiguous(), v.contiguous(), 0, plan, None, None)
 
+    # LlamaForCausalLM.hidden_states' loop (which runs under inference_mode: no graph), on the wrapped ops
     positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
     h = EmbeddingFn.apply(torch.tensor(ids, dtype=torch.int64), model.embed_tokens.weight)
     ctx = StepContext(model.ops.rope_state(model.rope, positions, h.dtype), _ATTENTION, (attend, lens), None)
