@@ -69,6 +69,11 @@ def test_tp2_equals_tp1(tmp_path, arch, tie, vocab):
     try:
         assert engine.core.runner.pool.k_cache.shape[2] == 1  # this rank's one KV head of two
         outs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+        from idleless.rl.updates import WeightUpdateError
+        name = "model.norm.weight"
+        with pytest.raises(WeightUpdateError, match="not supported with --tp-size > 1"):
+            engine.update_weights_from_tensor([(name, torch.ones(engine.core.runner.model_config.hidden_size))])
+        assert engine.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].token_ids == outs[0].token_ids  # unchanged
     finally:
         _close(engine)
     for r, o in zip(ref, outs):

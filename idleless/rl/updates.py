@@ -132,6 +132,9 @@ class WeightUpdater:
         (``plan_weight_writes``): a subset updates those parameters only; ``require_all`` requires every
         one, as a whole checkpoint must. Raises WeightUpdateError for an unknown name, a name twice, a
         tensor that is not floating point or of another shape, or (require_all) a missing tensor."""
+        if getattr(self.core.runner, "tp", None) is not None:  # each rank holds a piece; rank 0 alone would change
+            raise WeightUpdateError("weight updates are not supported with --tp-size > 1: every rank holds its own "
+                                    "piece of the weights and an update reaches rank 0 only")
         named_tensors = list(named_tensors)
         draft = self_draft(self.core)
         try:
