@@ -122,7 +122,9 @@ class DraftModelProposer(Proposer):
         plain = {f.name: f.default for f in fields(EngineConfig) if f.name.startswith("speculative_")}
         self.runner = ModelRunner(replace(config, **plain, model=draft_dir,
                                           kv_cache_memory=config.speculative_draft_kv_cache_memory,
-                                          context_length=target_runner.context_length, **precision))
+                                          context_length=target_runner.context_length,
+                                          skip_quantization_gate=True,  # a draft's accuracy is its acceptance rate
+                                          **precision))
         self.pool = self.runner.pool
         # a draft step reads the draft's weights as a target step reads the target's: their ratio in bytes
         # (a self-draft at int4: about a quarter), 1 (pessimistic) for a target runner without a model
