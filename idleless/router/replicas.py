@@ -150,5 +150,9 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
     except KeyboardInterrupt:
         pass
     finally:
-        stop(procs, args.shutdown_grace)
+        try:
+            stop(procs, args.shutdown_grace)
+        except RuntimeError as e:  # a replica that had to be force-stopped (ray_replicas.stop_replicas)
+            log.error("%s", e)
+            code = 1
     return code
