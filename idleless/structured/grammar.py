@@ -106,12 +106,12 @@ class GrammarCache:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def _ready_compiler(self):
-        import xgrammar as xgr
+        from idleless.text.tokenizer import auto_tokenizer_class
 
         with self._lock:
             if self._compiler is None:
-                from transformers import AutoTokenizer
-                hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                auto_tokenizer, xgr = auto_tokenizer_class(with_xgrammar=True)
+                hf = auto_tokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler

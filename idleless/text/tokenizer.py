@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import re
+import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 __all__ = [
@@ -31,6 +32,24 @@ __all__ = [
     "normalize_messages",
     "load_chat_template",
 ]
+
+# transformers (and xgrammar, which imports it) is imported lazily from more than one thread: the grammar
+# engine warms up in its worker thread while the engine loads its tokenizer. Two threads importing it at
+# once can see a half-initialised module ("cannot import name 'AutoTokenizer'"), so both go through
+# ``auto_tokenizer_class`` under one lock.
+_HF_IMPORT_LOCK = threading.Lock()
+
+
+def auto_tokenizer_class(with_xgrammar: bool = False):
+    """transformers' ``AutoTokenizer``, imported under the module's import lock (thread-safe); with
+    ``with_xgrammar`` also imports ``xgrammar`` under the same lock and returns (AutoTokenizer, xgrammar)."""
+    with _HF_IMPORT_LOCK:
+        from transformers import AutoTokenizer
+        if not with_xgrammar:
+            return AutoTokenizer
+        import xgrammar
+        return AutoTokenizer, xgrammar
+
 
 _REPLACEMENT_CHAR = "\ufffd"
 _BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -146,9 +165,7 @@ class Tokenizer:
         Whether a BOS token is added by ``encode`` is the tokenizer's own setting (``add_bos_token``
         / its post-processor); SmolLM2 adds none. Raises OSError if nothing loadable is there.
         """
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(path, **hf_kwargs)
+        hf = auto_tokenizer_class().from_pretrained(path, **hf_kwargs)
         eos = set(int(i) for i in (extra_eos_ids or ()))
         if os.path.isdir(path):
             for fname in ("generation_config.json", "config.json"):
