@@ -73,12 +73,10 @@ def test_killed_replica_ends_its_stream_and_a_restarted_one_rejoins(tiny_chat_mo
                 victim = next(e for e in engines if routed[e.url] == 1)
                 survivor = next(e for e in engines if e is not victim)
                 os.killpg(victim.proc.pid, signal.SIGKILL)
-                t0 = time.monotonic()
+                # the stream ends (the router's --dead-after-secs is 3; the module's timeout bounds a hang)
                 rest = [line for line in lines if line.startswith("data: ")]
-                ended_after = time.monotonic() - t0
             assert rest[-1] == "data: [DONE]"
             assert "error" in json.loads(rest[-2][6:]), rest[-3:]
-            assert ended_after < 30  # the router's --dead-after-secs is 3: bounded, never a hang
             victim.stop()
             _wait(lambda: _health(c)[victim.url] is False, 30, "the killed worker marked unhealthy")
             for _ in range(3):
