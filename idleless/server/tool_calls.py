@@ -344,6 +344,9 @@ class ToolParser:
 
 
 class HermesParser(ToolParser):
+    """``--tool-call-parser hermes``: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (NousResearch's Hermes function-calling format); text before the first tag is content."""
+
     start = "<tool_call>"
     lists = False
 
@@ -373,6 +376,9 @@ class HermesParser(ToolParser):
 
 
 class SmolLM2Parser(HermesParser):
+    """``--tool-call-parser smollm2``: hermes tags holding a JSON list of calls, the format of the
+    "Function calling" section of SmolLM2-Instruct's model card."""
+
     lists = True
 
     def _calls(self, body: str) -> Optional[list[ToolCall]]:
@@ -381,6 +387,9 @@ class SmolLM2Parser(HermesParser):
 
 
 class Llama3JsonParser(ToolParser):
+    """``--tool-call-parser llama3_json``: Llama 3.1's JSON tool calls, ``{"name": ..., "parameters": {...}}``
+    after an optional ``<|python_tag|>``, several separated by ``;`` (Meta's Llama 3.1 prompt format)."""
+
     leads = ("<|python_tag|>", "{")
 
     def streamer(self, max_calls: Optional[int] = None) -> CallStreamer:
