@@ -220,9 +220,10 @@ def stop_replicas(reps: RayReplicas, grace_s: float) -> None:
 
     Bounded: the actors' ``stop`` calls are awaited together for ``grace_s`` + STOP_MARGIN_S at
     most; an actor still busy then is force-killed (``ray.kill``: its replica stops itself when its
-    parent is gone), and ``ray.shutdown`` gets SHUTDOWN_TIMEOUT_S. Raises RuntimeError, after
-    everything is released, when an actor had to be force-killed or Ray did not disconnect in time
-    (the caller exits non-zero)."""
+    parent is gone), and ``ray.shutdown`` gets SHUTDOWN_TIMEOUT_S (a driver that does not disconnect
+    in time is left behind with a warning: the actors and the placement group are released by then, and
+    the process exits anyway). Raises RuntimeError, after everything is released, when an actor had to
+    be force-killed (the caller exits non-zero)."""
     import ray
 
     if not ray.is_initialized():
@@ -245,8 +246,8 @@ def stop_replicas(reps: RayReplicas, grace_s: float) -> None:
             t = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
             t.start()
             t.join(SHUTDOWN_TIMEOUT_S)
-            if t.is_alive():
-                log.error("ray.shutdown() did not return within %.0f s: leaving without it", SHUTDOWN_TIMEOUT_S)
-                problems.append(f"ray.shutdown() still running after {SHUTDOWN_TIMEOUT_S:.0f} s")
+            if t.is_alive():  # the actors and their resources are released above; only this driver's link lingers
+                log.warning("ray.shutdown() did not return within %.0f s: leaving without it (the replicas are "
+                            "already stopped)", SHUTDOWN_TIMEOUT_S)
     if problems:
         raise RuntimeError("the Ray replicas did not stop cleanly: " + "; ".join(problems))
