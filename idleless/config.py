@@ -140,11 +140,16 @@ class EngineConfig:
     disaggregation_mode: str = option("null", "null (colocated) | prefill (serve pulls of cached prompts' KV on "
                                       "the bootstrap port) | decode (pull the KV named by a request's "
                                       "kv_transfer_params before queueing it)")
-    disaggregation_transfer_backend: str = option("tcp", "KV transfer backend: tcp (ZMQ)")
-    disaggregation_bootstrap_host: str = option("127.0.0.1", "prefill mode: the address the KV transfer port binds")
+    disaggregation_transfer_backend: str = option("tcp", "KV transfer backend: tcp (ZMQ) | mooncake (the KV bytes "
+                                                  "through Mooncake's transfer engine over TCP; pip install "
+                                                  "mooncake-transfer-engine-non-cuda; both engines must agree)")
+    disaggregation_bootstrap_host: str = option("127.0.0.1", "prefill mode: the address the KV transfer port binds; "
+                                                "mooncake, both modes: the address this engine's transfer "
+                                                "engine is reached at")
     disaggregation_bootstrap_port: int = option(8998, "prefill mode: the KV transfer port")
     disaggregation_timeout: float = option(30.0, "decode mode: seconds a request waits for its KV before the "
-                                           "fallback")
+                                           "fallback; mooncake, both modes: also the most one transfer may take "
+                                           "(MC_TRANSFER_TIMEOUT when unset, at least 5)")
     pd_fallback: str = option("recompute", "decode mode, when a KV transfer fails: recompute (prefill here) | "
                               "error (end the request)")
     # precision of weights, activations and KV cache, each on its own (idleless.quant; issue 14)
@@ -188,8 +193,8 @@ class EngineConfig:
     def _check_disaggregation(self) -> None:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError(f"disaggregation_mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
-        if self.disaggregation_transfer_backend != "tcp":
-            raise ValueError("disaggregation_transfer_backend must be tcp (the only backend built), got "
+        if self.disaggregation_transfer_backend not in ("tcp", "mooncake"):
+            raise ValueError("disaggregation_transfer_backend must be tcp or mooncake, got "
                              f"{self.disaggregation_transfer_backend!r}")
         if self.pd_fallback not in ("recompute", "error"):
             raise ValueError(f"pd_fallback must be recompute or error, got {self.pd_fallback!r}")

@@ -15,7 +15,7 @@ from typing import Any
 from idleless.engine.request import Request, RequestOutput
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("tcp",)
+TRANSFER_BACKENDS = ("tcp", "mooncake")
 PD_FALLBACKS = ("recompute", "error")
 
 
@@ -52,9 +52,11 @@ class KVConnector:
 
 
 def make_kv_connector(config, core) -> KVConnector:
-    """The connector ``config.disaggregation_mode`` names, attached to ``core``. Raises ValueError
-    for a mode or backend that does not exist, or a decode engine without a prefix cache; zmq.ZMQError
-    when the bootstrap port is taken."""
+    """The connector ``config.disaggregation_mode`` names, attached to ``core``, moving KV with
+    ``config.disaggregation_transfer_backend``. Raises ValueError for a mode or backend that does not
+    exist, the ``mooncake`` backend without its package (the message names the pip command), or a
+    decode engine without a prefix cache; zmq.ZMQError when the bootstrap port is taken; RuntimeError
+    when the Mooncake transfer engine does not start."""
     mode = getattr(config, "disaggregation_mode", "null") or "null"
     if mode == "null":
         return KVConnector()
@@ -63,8 +65,15 @@ def make_kv_connector(config, core) -> KVConnector:
     if config.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
         raise ValueError(f"disaggregation_transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
                          f"got {config.disaggregation_transfer_backend!r}")
+    backend = config.disaggregation_transfer_backend
+    if backend == "mooncake":
+        from idleless.disagg.mooncake import missing_reason
+        why = missing_reason()
+        if why is not None:
+            raise ValueError(why)
+    host = config.disaggregation_bootstrap_host
     if mode == "prefill":
         from idleless.disagg.prefill import PrefillConnector
-        return PrefillConnector(core, config.disaggregation_bootstrap_host, config.disaggregation_bootstrap_port)
+        return PrefillConnector(core, host, config.disaggregation_bootstrap_port, backend, config.disaggregation_timeout)
     from idleless.disagg.decode import DecodeConnector
-    return DecodeConnector(core, config.disaggregation_timeout, config.pd_fallback)
+    return DecodeConnector(core, config.disaggregation_timeout, config.pd_fallback, backend, host)

@@ -1,4 +1,4 @@
-"""The decode side of the ``tcp`` KV transfer: pull a prompt's KV, put it in the radix tree, then queue.
+"""The decode side of the KV transfer: pull a prompt's KV, put it in the radix tree, then queue.
 
 A request with ``kv_transfer_params.do_remote_prefill`` is held here, not in the scheduler's queue:
 the longest prefix of its prompt this engine already caches is locked, a ``PULL`` for the rest goes to
@@ -13,12 +13,19 @@ recompute``: queued as is, its prompt prefilled here) or end with an error (``er
 mismatch (different ``--kv-cache-dtype``) always ends it with an error. Each pull has its own socket,
 closed when the pull ends, so a broken or dead prefill engine leaves nothing behind and the next
 request to it starts afresh.
+
+With ``--disaggregation-transfer-backend mooncake`` the reply names a staging buffer of the prefill
+engine instead of carrying the KV, and a worker thread reads it through Mooncake's transfer engine
+(``mooncake`` describes the exchange and why a buffer a read may still touch is never freed early);
+the step thread only starts the read and, between steps, imports what has arrived. A read that
+fails, or does not return before the pull's deadline, ends the pull like any other failure.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,13 +33,25 @@ import torch
 import zmq
 
 from idleless.cache.base import CacheHandle
-from idleless.disagg import timing, wire
+from idleless.disagg import mooncake, timing, wire
 from idleless.disagg.connector import KVConnector
 from idleless.engine.admission import check_request
 from idleless.engine.messages import ErrorOutput
 from idleless.engine.request import FinishReason, Request, RequestError, RequestOutput
 
 log = logging.getLogger("idleless.disagg")
+
+
+@dataclass(eq=False)
+class _Read:
+    """A Mooncake read under way on the reader thread, into ``buf`` (registered)."""
+    future: Any  # -> (0 on success, negative on failure; seconds the read took)
+    buf: torch.Tensor  # uint8, the receive buffer: nobody else touches it until the read has returned
+    read_id: str
+    session: str
+    num_tokens: int
+    head: dict  # the prefill engine's reply header
+    free_at: Optional[float] = None  # quarantined: monotonic time after which the buffer may go
 
 
 @dataclass(eq=False)
@@ -45,6 +64,7 @@ class _Pull:
     peer: str
     deadline: float
     sent: float  # time.monotonic() when the pull went out
+    read: Optional[_Read] = None  # mooncake: the read of the KV, once the reply came
 
 
 @dataclass(eq=False)
@@ -70,12 +90,14 @@ def remote_endpoint(params: dict) -> str:
 
 class DecodeConnector(KVConnector):
     """Holds requests until their KV has arrived (see the module docstring). ``timeout_s``: the most
-    seconds a pull may take (``--disaggregation-timeout``); ``fallback``: ``recompute`` or ``error``.
-    Raises ValueError when the engine keeps no prefix cache (the KV would have nowhere to go)."""
+    seconds a pull may take (``--disaggregation-timeout``); ``fallback``: ``recompute`` or ``error``;
+    ``backend``: ``tcp`` or ``mooncake`` (a Mooncake transfer engine reachable at ``host``). Raises
+    ValueError when the engine keeps no prefix cache (the KV would have nowhere to go), RuntimeError
+    when the Mooncake engine does not start."""
 
     mode = "decode"
 
-    def __init__(self, core, timeout_s: float, fallback: str):
+    def __init__(self, core, timeout_s: float, fallback: str, backend: str = "tcp", host: str = "127.0.0.1"):
         sched = core.scheduler
         if not sched.cache.keeps_prefixes:
             raise ValueError("--disaggregation-mode decode needs the prefix cache (drop --disable-radix-cache)")
@@ -96,7 +118,11 @@ class DecodeConnector(KVConnector):
         self._outputs: list[RequestOutput] = []
         self.counters = {"num_pulls": 0, "num_transfers": 0, "num_tokens_received": 0, "bytes_received": 0,
                          "seconds": 0.0, "num_fallbacks": 0, "num_errors": 0, "num_skipped_tokens": 0,
-                         "num_released": 0}
+                         "num_released": 0, "read_seconds": 0.0}
+        self.backend = backend
+        self.mc = mooncake.MooncakeEngine(host, timeout_s) if backend == "mooncake" else None
+        self._reader = ThreadPoolExecutor(2, "idleless-kv-read") if self.mc is not None else None
+        self._quarantine: list[_Read] = []  # reads that failed or outlived their pull
 
     # -- intake ----------------------------------------------------------------------------------
     def admit(self, core, req: Request) -> bool:
@@ -123,6 +149,9 @@ class DecodeConnector(KVConnector):
         tid = params.get("transfer_id")
         if isinstance(tid, str) and tid:
             header["transfer_id"] = tid  # the prefill engine's queue and prefill seconds come back with it
+        if self.mc is not None:  # P keeps the KV readable until a read started before our deadline is over
+            header["transfer"] = "mooncake"
+            header["hold_s"] = self.timeout_s + self.mc.timeout_s + mooncake.QUARANTINE_S
         sock.send_multipart([wire.PULL, wire.encode_header(header)])
         now = time.monotonic()
         self.pending[req.rid] = _Pull(req, handle, handle.cached_len, want, sock, peer, now + self.timeout_s, now)
@@ -164,15 +193,28 @@ class DecodeConnector(KVConnector):
         self._release_admitted()
         if self.splits:
             self._first_tokens()
+        if self._quarantine:
+            self._drain_quarantine()
         if not self.pending:
             return
         poller = zmq.Poller()
+        reads = []
         for p in self.pending.values():
-            poller.register(p.sock, zmq.POLLIN)
+            if p.read is None:
+                poller.register(p.sock, zmq.POLLIN)
+            else:
+                reads.append(p)
         wait_ms = 0 if self.sched.has_work() else 5  # nothing else to do: wait a little, do not spin
-        ready = dict(poller.poll(wait_ms))
+        if len(reads) == len(self.pending):
+            wait([p.read.future for p in reads], timeout=wait_ms / 1000, return_when=FIRST_COMPLETED)
+            ready = {}
+        else:
+            ready = dict(poller.poll(0 if reads and any(p.read.future.done() for p in reads) else wait_ms))
+        for p in reads:
+            if p.read.future.done():
+                self._finish_read(p)
         for rid, p in list(self.pending.items()):
-            if p.sock in ready:
+            if p.read is None and p.sock in ready:
                 try:
                     frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -204,7 +246,12 @@ class DecodeConnector(KVConnector):
             start, n = int(head["start"]), int(head["num_tokens"])
             if start != p.skip or n < 0 or start + n > p.want:
                 raise ValueError(f"reply covers [{start}, {start + n}), asked [{p.skip}, {p.want})")
-            tensors = self._tensors(frames[2:], n)
+            if self.mc is not None:
+                if len(frames) != 2:
+                    raise ValueError("a mooncake reply carries no tensor frames")
+                info = self._read_info(head, n) if n >= self.pool.page_size else None
+            else:
+                tensors = self._tensors(frames[2:], n)
         except (ValueError, KeyError, TypeError, IndexError) as e:
             self._fail(p, f"bad KV reply from {p.peer}: {e}", "kv_transfer_failed")
             return
@@ -212,12 +259,78 @@ class DecodeConnector(KVConnector):
             self._fail(p, f"the prefill engine at {p.peer} holds no KV of this prompt past {p.skip} tokens",
                        "kv_transfer_missed")
             return
+        if self.mc is not None:
+            self._start_read(p, info, n, head)
+            return
+        self._complete(p, n, tensors, head)
+
+    def _read_info(self, head: dict, n: int) -> dict:
+        """The ``mooncake`` block of a reply, checked. Raises ValueError."""
+        info = head.get("mooncake")
+        if not isinstance(info, dict):
+            raise ValueError("the reply names no buffer to read (the prefill engine's backend is not mooncake?)")
+        session, addr, nbytes, read_id = info.get("session"), info.get("addr"), info.get("nbytes"), info.get("read_id")
+        if not isinstance(session, str) or not session or not isinstance(read_id, str):
+            raise ValueError("mooncake session and read_id must be strings")
+        if isinstance(addr, bool) or not isinstance(addr, int) or addr <= 0:
+            raise ValueError("mooncake addr must be a positive int")
+        if nbytes != mooncake.pack_nbytes(self.layout, n):
+            raise ValueError(f"mooncake buffer of {nbytes!r} bytes, expected {mooncake.pack_nbytes(self.layout, n)}")
+        return info
+
+    def _start_read(self, p: _Pull, info: dict, n: int, head: dict) -> None:
+        buf = torch.empty(int(info["nbytes"]), dtype=torch.uint8)
+        try:
+            self.mc.register(buf)
+        except RuntimeError as e:
+            self._fail(p, str(e), "kv_transfer_failed")
+            return
+        future = self._reader.submit(self._timed_read, info["session"], buf, int(info["addr"]))
+        p.read = _Read(future, buf, info["read_id"], info["session"], n, head)
+
+    def _timed_read(self, session: str, buf: torch.Tensor, addr: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        ret = self.mc.read(session, buf, addr)
+        return ret, time.perf_counter() - t0
+
+    def _finish_read(self, p: _Pull) -> None:
+        """The read has returned: import the KV and tell the prefill engine it may free its buffer."""
+        r = p.read
+        ret, seconds = r.future.result()
+        if ret != 0:
+            self._fail(p, f"the mooncake read from {r.session} failed (code {ret})", "kv_transfer_failed")
+            return
+        p.read = None  # returned: the buffer is ours again
+        p.sock.setsockopt(zmq.LINGER, 1000)  # the socket closes soon: up to 1 s for the release to leave
+        try:
+            p.sock.send_multipart([wire.DONE, wire.encode_header({"read_id": r.read_id})], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the prefill engine frees it after hold_s
+        self.counters["read_seconds"] += seconds
+        tensors = mooncake.unpack(r.buf, self.layout, r.num_tokens)
+        self._complete(p, r.num_tokens, tensors, r.head)  # copies out of the buffer
+        self.mc.unregister(r.buf)
+
+    def _drain_quarantine(self) -> None:
+        """Let go of the receive buffers whose reads returned ``QUARANTINE_S`` ago."""
+        now = time.monotonic()
+        for r in list(self._quarantine):
+            if not r.future.done():
+                continue
+            if r.free_at is None:
+                r.free_at = now + mooncake.QUARANTINE_S
+            elif now >= r.free_at:
+                self._quarantine.remove(r)
+                self.mc.unregister(r.buf)
+
+    def _complete(self, p: _Pull, n: int, tensors: list, head: dict) -> None:
+        """Write the arrived KV into the pool and queue the request (or fail the pull)."""
         handle = self._import(p, n, tensors)
         if handle is None:
             self._fail(p, "no room in the KV pool for the transferred prefix", "kv_transfer_no_room")
             return
         del self.pending[p.req.rid]
-        p.sock.close(0)
+        p.sock.close()  # with its LINGER: 0, or 1 s for a mooncake release to leave
         imported = time.monotonic()
         c = self.counters
         c["num_transfers"] += 1
@@ -295,15 +408,18 @@ class DecodeConnector(KVConnector):
             self.sched.cache.unlock(self.queued.pop(rid))
 
     def _close(self, p: _Pull) -> None:
-        p.sock.close(0)
+        p.sock.close()  # with its LINGER (0 unless a mooncake release is on its way)
         self.sched.cache.unlock(p.handle)
+        if p.read is not None:  # the read may still write into its buffer
+            self._quarantine.append(p.read)
+            p.read = None
 
     def _fail(self, p: _Pull, why: str, code: str) -> None:
         """End the pull: recompute here (the fallback) or end the request with an error."""
         self.pending.pop(p.req.rid, None)
         self._close(p)
         log.warning("kv transfer for %s: %s", p.req.rid, why)
-        if code == "layout_mismatch" or self.fallback == "error":
+        if code in ("layout_mismatch", "backend_mismatch") or self.fallback == "error":
             self.counters["num_errors"] += 1
             self._outputs.append(ErrorOutput(p.req.rid, [], FinishReason.ABORT, error=why, code=code,
                                              prompt_tokens=len(p.req.prompt_ids)))
@@ -312,14 +428,21 @@ class DecodeConnector(KVConnector):
         self._queue(p.req, None)
 
     def stats(self) -> dict:
+        """Counters: ``seconds`` (pull sent to KV in the pool, summed; ``gb_per_s`` is bytes over it) and,
+        for mooncake, ``read_seconds`` (the transfer engine's reads alone, summed; ``read_gb_per_s``)."""
         d = dict(self.counters)
         d["mode"] = self.mode
+        d["transfer_backend"] = self.backend
         d["num_pending"] = len(self.pending)
+        d["num_quarantined"] = len(self._quarantine)
         d["ttft_split"] = self.split_stats.snapshot()
         d["gb_per_s"] = d["bytes_received"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
+        d["read_gb_per_s"] = d["bytes_received"] / d["read_seconds"] / 1e9 if d["read_seconds"] > 0 else 0.0
         return d
 
     def close(self) -> None:
         for p in list(self.pending.values()):
             self._close(p)
         self.pending.clear()
+        if self._reader is not None:  # reads under way keep their buffers (and the engine) until they return
+            self._reader.shutdown(wait=False)

@@ -1,4 +1,4 @@
-"""The prefill side of the ``tcp`` KV transfer: serve pulls of cached prompts' KV from the radix tree.
+"""The prefill side of the KV transfer: serve pulls of cached prompts' KV from the radix tree.
 
 The prefill engine keeps no per-request transfer state: a prompt it has prefilled is in its radix
 tree, and a pull names token ids, so serving one is a prefix match and a copy of the matched slots
@@ -21,6 +21,12 @@ transfer thread as a reservation, which a pull naming that id (and the same toke
 directly. A reservation is handed back and unlocked when the decode engine says it will not pull
 (``DONE``: it holds the prompt already) or after ``RESERVE_S`` (a later pull takes the path above).
 
+With ``--disaggregation-transfer-backend mooncake`` a pull may ask for its KV through Mooncake's
+transfer engine (``mooncake``): the transfer thread then copies the slots into a registered staging
+buffer, answers where to read it, and frees it when the decode engine says it has read it or after
+the pull's ``hold_s``. A mooncake pull to an engine without the backend is refused
+(``backend_mismatch``).
+
 For the TTFT split (``timing``) the connector times the requests a router sent with a
 ``transfer_id``: their queue and prefill seconds go into the header of the pull that names that id.
 """
@@ -29,7 +35,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -39,7 +47,7 @@ from typing import Any, Optional
 import zmq
 
 from idleless.cache.base import CacheHandle
-from idleless.disagg import timing, wire
+from idleless.disagg import mooncake, timing, wire
 from idleless.disagg.connector import KVConnector
 from idleless.engine.request import Request
 
@@ -48,6 +56,20 @@ log = logging.getLogger("idleless.disagg")
 _KEEP_TIMINGS = 4096  # prefill timings kept for pulls still to come (oldest dropped first)
 RESERVE_S = 10.0  # how long a finished prefill's prefix stays locked for the pull naming its transfer_id
 _instances = itertools.count()
+
+
+def mooncake_hold(head: dict) -> Optional[float]:
+    """A pull's ``hold_s`` when it asks for ``"transfer": "mooncake"``, None for a ``tcp`` pull. Raises
+    ValueError for another transfer or a ``hold_s`` that is not a number in (0, 86400]."""
+    transfer = head.get("transfer", "tcp")
+    if transfer == "tcp":
+        return None
+    if transfer != "mooncake":
+        raise ValueError(f"unknown transfer {transfer!r}")
+    hold = head.get("hold_s")
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 < hold <= 86400 or math.isnan(hold):
+        raise ValueError("a mooncake pull needs hold_s in (0, 86400] seconds")
+    return float(hold)
 
 
 def _signal(sock) -> None:
@@ -67,6 +89,7 @@ class _Job:
     handle: Optional[CacheHandle]  # the locked prefix (None when nothing is sent)
     t_recv: float  # perf_counter when the transfer thread received the pull
     transfer_id: Optional[str] = None  # set when served from a reservation
+    hold_s: Optional[float] = None  # mooncake: keep the staging buffer readable this long at most
 
 
 @dataclass(eq=False)
@@ -93,12 +116,17 @@ class PrefillConnector(KVConnector):
     answers ``PULL`` messages from decode engines with the KV of the longest cached prefix of the
     named tokens past ``skip``, from its own transfer thread (module docstring). Malformed messages
     are answered with ``ERR`` (or dropped when not even the envelope parses) and counted; they never
-    reach the engine. ``address``: the bound endpoint, ``port`` its port. Raises zmq.ZMQError when
-    the port is taken."""
+    reach the engine. ``address``: the bound endpoint, ``port`` its port. ``backend`` ``mooncake``
+    also serves pulls through a Mooncake transfer engine on ``host`` (one transfer at most
+    ``timeout_s``, ``mooncake.transfer_timeout_s``). Raises zmq.ZMQError when the port is taken,
+    RuntimeError when the Mooncake engine does not start."""
 
     mode = "prefill"
 
-    def __init__(self, core, host: str, port: int):
+    def __init__(self, core, host: str, port: int, backend: str = "tcp", timeout_s: float = 30.0):
+        self.backend = backend
+        self.mc = mooncake.MooncakeEngine(host, timeout_s) if backend == "mooncake" else None
+        self._exposed: dict[str, tuple] = {}  # read_id -> (staging buffer, monotonic expiry); transfer thread's
         self.pool = core.scheduler.pool
         self.sched = core.scheduler
         self.layout = wire.pool_layout(self.pool)
@@ -124,7 +152,8 @@ class PrefillConnector(KVConnector):
         self._last_poll = time.monotonic()
         self._lock = threading.Lock()  # guards counters (both threads write them)
         self.counters = {"num_pulls": 0, "num_tokens_sent": 0, "bytes_sent": 0, "seconds": 0.0,
-                         "wait_seconds": 0.0, "num_bad_messages": 0}
+                         "wait_seconds": 0.0, "num_bad_messages": 0, "num_read_released": 0,
+                         "num_read_expired": 0}
         self._thread = threading.Thread(target=self._run, name="idleless-kv-transfer", daemon=True)
         self._thread.start()
 
@@ -233,7 +262,7 @@ class PrefillConnector(KVConnector):
         if isinstance(tid, str) and tid in self._timings:
             header["prefill_timing"] = self._timings.pop(tid)
         self._in_flight += 1
-        self._to_thread.put(_Job(ident, header, slots, handle, t_recv))
+        self._to_thread.put(_Job(ident, header, slots, handle, t_recv, hold_s=mooncake_hold(head)))
         _signal(self._jobs_tx)
 
     # -- transfer thread ---------------------------------------------------------------------------
@@ -243,7 +272,7 @@ class PrefillConnector(KVConnector):
         poller.register(self._jobs_rx, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(self._expire_exposed()))
                 if self._jobs_rx in ready:
                     while True:
                         try:
@@ -299,6 +328,7 @@ class PrefillConnector(KVConnector):
                 raise ValueError("token_ids must be a list of ints")
             if not 0 <= skip <= want <= len(ids):
                 raise ValueError(f"need 0 <= skip <= want <= len(token_ids), got {skip}, {want}, {len(ids)}")
+            hold_s = mooncake_hold(head)
         except (ValueError, KeyError, TypeError) as e:
             self._count("num_bad_messages", 1)
             self._reply_error(ident, None, f"bad pull: {e}", "bad_request")
@@ -306,6 +336,11 @@ class PrefillConnector(KVConnector):
         why = wire.layout_mismatch(self.layout, head.get("layout"))
         if why is not None:
             self._reply_error(ident, head.get("rid"), why, "layout_mismatch")
+            return
+        if hold_s is not None and self.mc is None:
+            self._reply_error(ident, head.get("rid"), "the prefill engine does not run the mooncake transfer "
+                              "backend (both engines need the same --disaggregation-transfer-backend)",
+                              "backend_mismatch")
             return
         tid = head.get("transfer_id")
         res = self._held.pop(tid, None) if isinstance(tid, str) else None
@@ -316,18 +351,27 @@ class PrefillConnector(KVConnector):
                 slots = res.handle.slots[skip:end] if end > skip else res.handle.slots[:0]
                 header = {"rid": head.get("rid"), "start": skip, "num_tokens": int(slots.numel()),
                           "layout": self.layout, "prefill_timing": res.prefill_timing}
-                self._send(_Job(ident, header, slots, res.handle, t_recv, tid))
+                self._send(_Job(ident, header, slots, res.handle, t_recv, tid, hold_s))
                 return
             self._hand_back(res)  # other tokens under this id: the step thread matches them
         self._to_step.put(("pull", ident, head, t_recv))
         _signal(self._wake_tx)
 
     def _release(self, raw: bytes) -> None:
-        """A decode engine will not pull this transfer_id: hand its reservation back."""
+        """A decode engine will not pull this transfer_id: hand its reservation back; or it has read
+        the staging buffer of this read_id: free it."""
         try:
-            tid = wire.decode_header(raw).get("transfer_id")
+            head = wire.decode_header(raw)
         except ValueError:
-            tid = None
+            head = {}
+        read_id = head.get("read_id")
+        if isinstance(read_id, str):
+            exposed = self._exposed.pop(read_id, None)
+            if exposed is not None:
+                self.mc.unregister(exposed[0])
+                self._count("num_read_released", 1)
+            return
+        tid = head.get("transfer_id")
         if not isinstance(tid, str):
             self._count("num_bad_messages", 1)
             return
@@ -347,8 +391,11 @@ class PrefillConnector(KVConnector):
         if pool.quantized:
             parts += [pool.k_scale[:, slots], pool.v_scale[:, slots]]
         try:
-            self.sock.send_multipart([job.ident, wire.KV, wire.encode_header(job.header)]
-                                     + [wire.tensor_frame(t) for t in parts], copy=False)
+            if job.hold_s is not None and slots.numel():
+                self._expose(job, parts)
+            else:
+                self.sock.send_multipart([job.ident, wire.KV, wire.encode_header(job.header)]
+                                         + [wire.tensor_frame(t) for t in parts], copy=False)
         finally:
             self._to_step.put(("sent", job))
             _signal(self._wake_tx)
@@ -359,6 +406,34 @@ class PrefillConnector(KVConnector):
             c["bytes_sent"] += sum(t.numel() * t.element_size() for t in parts)
             c["seconds"] += time.perf_counter() - t0
             c["wait_seconds"] += t0 - job.t_recv
+
+    def _expose(self, job: _Job, parts: list) -> None:
+        """Copy the KV into a registered staging buffer and answer where to read it (``mooncake``)."""
+        buf = mooncake.pack(parts)
+        try:
+            addr = self.mc.register(buf)
+        except RuntimeError as e:
+            self._reply_error(job.ident, job.header.get("rid"), str(e), "kv_transfer_failed")
+            return
+        read_id = secrets.token_hex(12)
+        self._exposed[read_id] = (buf, time.monotonic() + job.hold_s)
+        info = {"session": self.mc.session_id, "addr": addr, "nbytes": int(buf.numel()), "read_id": read_id}
+        self.sock.send_multipart([job.ident, wire.KV, wire.encode_header({**job.header, "mooncake": info})])
+
+    def _expire_exposed(self) -> Optional[int]:
+        """Free the staging buffers past their hold; the milliseconds until the next expiry (None:
+        none held, the poll waits for a message)."""
+        if not self._exposed:
+            return None
+        now = time.monotonic()
+        for read_id, (buf, expires) in list(self._exposed.items()):
+            if now >= expires:
+                del self._exposed[read_id]
+                self.mc.unregister(buf)
+                self._count("num_read_expired", 1)
+        if not self._exposed:
+            return None
+        return max(1, int(1000 * (min(e for _, e in self._exposed.values()) - now)) + 1)
 
     def _count(self, key: str, n) -> None:
         with self._lock:
@@ -381,6 +456,8 @@ class PrefillConnector(KVConnector):
             d = dict(self.counters)
         d["mode"], d["address"] = self.mode, self.address
         d["num_in_flight"] = self._in_flight
+        d["num_read_buffers"] = len(self._exposed)
+        d["transfer_backend"] = self.backend
         d["gb_per_s"] = d["bytes_sent"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
         return d
 
@@ -406,3 +483,5 @@ class PrefillConnector(KVConnector):
                 self._unlock(item[1])
         for s in (self._wake_rx, self._jobs_tx):
             s.close(0)
+        self.mc = None  # the engine stops serving reads (dropped first) before its staging buffers go
+        self._exposed.clear()

@@ -1,4 +1,4 @@
-"""The KV transfer wire format over ZMQ (the ``tcp`` transfer backend).
+"""The KV transfer wire format over ZMQ (all of it for the ``tcp`` backend; the control messages for ``mooncake``).
 
 Decode -> prefill (DEALER -> ROUTER), one message per request: ``[b"PULL", header]`` with the header a
 JSON object ``{"rid", "token_ids": [...], "skip": s, "want": w, "layout": {...}}`` (+ the router's
@@ -15,6 +15,12 @@ head_dim]`` in the pool's stored dtype (scales float32 ``[num_layers, n, num_kv_
 P timed, the header also has ``"prefill_timing": {"queue_s", "prefill_s"}`` (``timing``). Or ``[b"ERR", header]``
 ``{"rid", "error", "code"}``; ``code`` ``layout_mismatch`` when the two pools store different shapes or
 dtypes (``--kv-cache-dtype`` differs): refused, never converted.
+
+The ``mooncake`` backend (``idleless.disagg.mooncake``) adds to the pull ``"transfer": "mooncake",
+"hold_s": h``; the ``KV`` reply then has no tensor frames but ``"mooncake": {"session", "addr",
+"nbytes", "read_id"}`` (the same tensors, packed one after another, in a buffer the decode engine
+reads through its transfer engine), and once read the decode engine sends ``[b"DONE", {"read_id"}]``.
+A mooncake pull to an engine without that backend is answered ``ERR`` ``backend_mismatch``.
 """
 
 from __future__ import annotations
