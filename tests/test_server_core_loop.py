@@ -208,6 +208,22 @@ def test_failing_step_fails_its_requests_and_the_loop_goes_on():
     assert any(isinstance(m, RequestOutput) and m.rid == "c" and m.new_token_ids == [7] for m in out.messages)
 
 
+def test_tensor_parallel_failure_ends_the_loop_with_exit_code_1():
+    from idleless.dist.group import TensorParallelError
+
+    class DeadRankCore(FakeCore):
+        def step(self):
+            raise TensorParallelError("tensor-parallel rank 1 (pid 123) exited with code -9")
+
+    core, out = DeadRankCore(), Outbox()
+    loop = EngineCoreLoop(core, Inbox([pickle.dumps(AddRequest(req("a")))]), out)
+    assert loop.exit_code == 0
+    loop.run()  # returns without a Shutdown: no step can run any more
+    assert loop.exit_code == 1 and not loop.running
+    errs = [m for m in out.messages if isinstance(m, ErrorOutput)]
+    assert [m.rid for m in errs] == ["a"] and "exited with code -9" in errs[0].error
+
+
 def test_outputs_are_batched_per_turn():
     core = FakeCore()
     out = run(core, [pickle.dumps(AddRequest(req(f"r{i}"))) for i in range(5)])

@@ -93,6 +93,7 @@ class EngineCoreLoop:
         self.parent_check_s = parent_check_s
         self.pending: list = []
         self.running = True
+        self.exit_code = 0  # the process's exit status once run() returns (1: stopped by a failure)
         self.open_calls: dict[int, Reply] = {}  # call_id -> Reply not answered yet (deferred pins)
         self._last_parent_check = time.monotonic()
         self.handlers: dict[type, Callable[[Any, Reply], None]] = {
@@ -406,6 +407,7 @@ class EngineCoreLoop:
                     if isinstance(e, TensorParallelError):  # a tensor-parallel rank is gone: no step can run
                         log.error("engine core: exiting after a tensor-parallel failure")
                         self.running = False
+                        self.exit_code = 1
             self._flush()
             clock.mark("io")
         # shutdown: whatever is left is aborted and reported, and every call still open is answered
@@ -450,7 +452,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
     Connects a PULL socket to ``in_addr`` (messages from the frontend) and a PUSH socket to
     ``out_addr`` (lists of RequestOutput / ControlReply), loads the model, sends ``[CoreReady]``
     (or ``[CoreFailed]`` and exits 1), then runs ``EngineCoreLoop`` until a ``Shutdown`` call or
-    the parent's death. ``extra_eos_ids``: more ids that end generation (the tokenizer's,
+    the parent's death, and exits with the loop's ``exit_code`` (1 after a tensor-parallel failure).
+    ``extra_eos_ids``: more ids that end generation (the tokenizer's,
     as the offline Engine adds them). SIGINT and SIGTERM are ignored: a signal to the whole process
     group (Ctrl-C, systemd, ``timeout``) reaches the core too, and the frontend drives the shutdown
     (drain, then ``Shutdown``; SIGKILL if the core lingers; the core also leaves when its parent dies).
@@ -477,5 +480,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
         ctx.term()
         sys.exit(1)
     push.send(pickle.dumps([ready]))
-    run_and_close(EngineCoreLoop(core, pull, push), ctx)
+    loop = EngineCoreLoop(core, pull, push)
+    run_and_close(loop, ctx)
     log.info("engine core: stopped")
+    sys.exit(loop.exit_code)
