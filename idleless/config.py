@@ -106,6 +106,9 @@ class EngineConfig:
     max_pinned_tokens: Optional[int] = option(None, "cap on pinned prefix tokens (default: a quarter of the KV pool)")
     num_threads: int = option(0, "torch intra-op threads; 0 = all usable cores (`idleless serve`: its "
                                    "engine core, whose OpenMP threads spin briefly, then sleep)")
+    adaptive_threads: bool = option(False, "before each step, use only the cores other processes leave free, at "
+                                    "most --num-threads (idleless.engine.threads; `idleless serve` turns it on "
+                                    "when --num-threads is 0)")
     # tensor parallelism (idleless.dist; issue 17): its flag is added by add_cli_args with metavar N
     tensor_parallel_size: int = option(1, "tensor-parallel ranks: rank 0 runs the scheduler and starts N-1 worker "
                                        "processes, each holding 1/N of the heads, MLP and vocabulary "

@@ -16,6 +16,7 @@ from idleless.model.linear import select_linear_method
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import select_ops
 from idleless.engine.request import PromptLogprob
+from idleless.engine.threads import ThreadGovernor
 from idleless.model.sampler import SamplingRow, sample, token_logprobs
 from idleless.model.loader import load_model_config, load_state_dict, native_weight_dtype, prepare_model_dir
 from idleless.model.weights import load_weights
@@ -118,6 +119,9 @@ class ModelRunner:
                                            native_weight_dtype(config.model) or "bf16")
         config = self.tp.config if self.tp is not None else config
         torch.set_num_threads(config.resolved_threads())
+        # issue 15: with adaptive_threads (serve's default) the threads follow the cores other processes leave free
+        self.thread_governor = ThreadGovernor(config.resolved_threads()) \
+            if config.adaptive_threads and self.tp is None and config.device == "cpu" else None
         self.config = config
         self.dtype = resolve_dtype(config.dtype)
         self.context_length = config.context_length or mc.max_position_embeddings
@@ -198,6 +202,8 @@ class ModelRunner:
         grammars (``token_masks``, which forgets the plan's ``finished_ids``). Returns a ``StepResult``
         with one entry per scheduled request, in plan order."""
         from idleless.engine.plan import StepResult
+        if self.thread_governor is not None:
+            self.thread_governor.update()
         if self.tp is not None:
             self.tp.send_plan(plan)  # rank 0: the workers run this plan with it (their collectives join ours)
         self.token_masks.drop(plan.finished_ids)

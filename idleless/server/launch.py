@@ -168,12 +168,15 @@ def engine_threads(config: EngineConfig) -> None:
     ``SERVE_GOMP_SPINCOUNT`` times (tens of microseconds) before they sleep, unless the user set
     ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``: long enough to catch the next op of a step, short
     enough that a thread waiting on a descheduled one (a busy machine, the frontend's turn) gives its
-    core back. The frontend's own torch work (HTTP, tokenization, detokenization need none) runs on
-    one thread."""
+    core back; and before each step it uses only the cores other processes leave free
+    (``adaptive_threads``, idleless.engine.threads: a load generator beside the server no longer
+    halves every step). An explicit ``--num-threads N`` is kept as given. The frontend's own torch
+    work (HTTP, tokenization, detokenization need none) runs on one thread."""
     import torch
 
     if config.num_threads == 0:
         config.num_threads = usable_cores()
+        config.adaptive_threads = True
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SERVE_GOMP_SPINCOUNT  # read by the spawned engine core's libgomp
     torch.set_num_threads(1)
