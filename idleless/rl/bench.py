@@ -8,19 +8,21 @@ each path, idle server, flush_cache on:
 
 * ``disk``: ``/update_weights_from_disk`` (the server reads the safetensors itself);
 * ``tensor``: ``/update_weights_from_tensor`` through one shared-memory file (the copy into it counted);
-* ``distributed``: ``/update_weights_from_distributed``, one gloo broadcast per tensor (the group is
-  made once, not counted).
+* ``distributed``: ``/update_weights_from_distributed``, one gloo broadcast per tensor from this
+  process (the group is made once, not counted).
 
-Reports per path the median and best wall seconds seen by the trainer (request to answer) and the
-engine's own share (``seconds``: writing the parameters and re-processing the linear methods), with the
-CPU model, torch version and thread counts. After the last push the server's greedy answer is checked
-against the one before (same weights pushed back: same answer).
+Reports per path the median and best wall seconds seen by the trainer (request to answer), the
+engine's own share (``seconds``: writing the parameters and re-processing the linear methods) and, for
+the distributed path, the trainer's broadcast seconds (until the engine received the last byte), with
+the CPU model, torch version, thread counts and load average. After the last push the server's greedy
+answer is checked against the one before (same weights pushed back: same answer).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -77,16 +79,20 @@ def main(args: argparse.Namespace) -> int:
             push = {"disk": lambda v: pusher.push_disk(model_dir, weight_version=v),
                     "tensor": lambda v: pusher.push_tensor(named, weight_version=v),
                     "distributed": lambda v: pusher.push_distributed(named, weight_version=v)}[path]
-            wall, engine = [], []
+            wall, engine, send = [], [], []
             for i in range(args.repeats):
                 t0 = time.perf_counter()
                 res = push(f"{path}-{i}")
                 wall.append(time.perf_counter() - t0)
                 engine.append(res["seconds"])
+                if path == "distributed":
+                    send.append(pusher.last_broadcast_s)
             if path == "distributed":
                 pusher.destroy_group()
             results[path] = {"wall_s_median": statistics.median(wall), "wall_s_min": min(wall),
                              "engine_s_median": statistics.median(engine), "wall_s": wall, "engine_s": engine}
+            if send:
+                results[path].update(broadcast_s_median=statistics.median(send), broadcast_s=send)
         after = http.post(url + "/generate", json=probe).json()["output_ids"]
     finally:
         pusher.close()
@@ -96,14 +102,16 @@ def main(args: argparse.Namespace) -> int:
     out = {"model": model_dir, "dtype": args.dtype, "server_args": args.server_arg, "tensors": len(named),
            "bytes": nbytes, "cpu": cpu_model(), "torch": torch.__version__, "engine_threads": args.engine_threads,
            "trainer_threads": torch.get_num_threads(), "repeats": args.repeats, "paths": results,
-           "same_answer_after": before == after,
+           "same_answer_after": before == after, "load_average": os.getloadavg(),
            "date": time.strftime("%Y-%m-%d")}
     print(f"weights: {len(named)} tensors, {nbytes / 2**20:.0f} MiB ({args.dtype}); CPU: {out['cpu']}; "
-          f"torch {torch.__version__}; engine threads {args.engine_threads}")
-    print("| path | wall s (median) | wall s (best) | engine write + re-process s (median) |")
-    print("|---|---|---|---|")
+          f"torch {torch.__version__}; engine threads {args.engine_threads}; load average "
+          + " ".join(f"{x:.2f}" for x in out["load_average"]))
+    print("| path | wall s (median) | wall s (best) | engine write + re-process s (median) | broadcast s (median) |")
+    print("|---|---|---|---|---|")
     for path, r in results.items():
-        print(f"| {path} | {r['wall_s_median']:.3f} | {r['wall_s_min']:.3f} | {r['engine_s_median']:.3f} |")
+        send = f"{r['broadcast_s_median']:.3f}" if "broadcast_s_median" in r else ""
+        print(f"| {path} | {r['wall_s_median']:.3f} | {r['wall_s_min']:.3f} | {r['engine_s_median']:.3f} | {send} |")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1)

@@ -100,6 +100,7 @@ class WeightPusher:
         self.group: Optional[WeightsUpdateGroup] = None
         self.group_name = "weights_update_group"
         self.shared: Optional[SharedTensors] = None  # the tensor path's file, reused while the shapes match
+        self.last_broadcast_s: Optional[float] = None  # push_distributed's broadcast, seconds
 
     def post(self, route: str, body: dict, timeout: Optional[float] = None) -> dict:
         """POST ``body`` to ``route``; the JSON answer, or WeightPushError with the server's message."""
@@ -168,16 +169,25 @@ class WeightPusher:
                          weight_version: Optional[str] = None, flush_cache: bool = True,
                          abort_all_requests: bool = False) -> dict:
         """``/update_weights_from_distributed``: tell the server the names, dtypes and shapes, then
-        broadcast each tensor from rank 0. Returns the server's answer (after it wrote the weights)."""
+        broadcast each tensor from rank 0 (``WeightsUpdateGroup.broadcast``). Returns the server's answer
+        (after it wrote the weights); ``last_broadcast_s`` is the wall seconds this side spent
+        broadcasting (until the engine had the last byte). WeightPushError when the broadcast fails
+        (with the server's message when it refused the update)."""
         if self.group is None:
             raise WeightPushError("init_group first")
-        items = [(n, t.detach().contiguous()) for n, t in named_tensors]
+        items = [(n, t.detach()) for n, t in named_tensors]
         call = _Call(self, "/update_weights_from_distributed", {
             "names": [n for n, _ in items], "dtypes": [dtype_name(t.dtype) for _, t in items],
             "shapes": [list(t.shape) for _, t in items], "group_name": self.group_name,
             "weight_version": weight_version, "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests}, self.timeout_s)
-        self.group.broadcast(items)
+        t0 = time.perf_counter()
+        try:
+            self.group.broadcast(items)
+        except RuntimeError as e:
+            call.wait(30)  # the server's refusal, when it gave one, says why (raised from here)
+            raise WeightPushError(str(e)) from None
+        self.last_broadcast_s = time.perf_counter() - t0
         return call.wait(self.timeout_s + 30)
 
     def destroy_group(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -46,10 +46,13 @@ class WeightUpdateError(RequestError):
 
 
 class PlannedWrites(NamedTuple):
-    """A checked update: the target model's writes and, for a self-draft, the draft model's (else None)."""
+    """A checked update: the target model's writes and, for a self-draft, the draft model's (else None);
+    ``release``: called once they are written (the source tensors' ``release``, e.g. a received
+    update's staging buffer given back to its group), else None."""
 
     target: WeightWrites
     draft: Optional[WeightWrites]
+    release: Optional[Callable[[], None]] = None
 
 
 def self_draft(core):
@@ -131,16 +134,27 @@ class WeightUpdater:
         """Check HF-named tensors against the served model (and a self-draft's), writing nothing
         (``plan_weight_writes``): a subset updates those parameters only; ``require_all`` requires every
         one, as a whole checkpoint must. Raises WeightUpdateError for an unknown name, a name twice, a
-        tensor that is not floating point or of another shape, or (require_all) a missing tensor."""
+        tensor that is not floating point or of another shape, or (require_all) a missing tensor.
+
+        ``named_tensors`` may have a ``release()`` (``idleless.rl.distributed.ReceivedTensors``): it is
+        called on a refusal here, else by ``commit`` once written."""
+        release = getattr(named_tensors, "release", None)
+        try:
+            return PlannedWrites(*self._plan(list(named_tensors), require_all), release)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+
+    def _plan(self, named_tensors: list, require_all: bool) -> tuple[WeightWrites, Optional[WeightWrites]]:
         if getattr(self.core.runner, "tp", None) is not None:  # each rank holds a piece; rank 0 alone would change
             raise WeightUpdateError("weight updates are not supported with --tp-size > 1: every rank holds its own "
                                     "piece of the weights and an update reaches rank 0 only")
-        named_tensors = list(named_tensors)
         draft = self_draft(self.core)
         try:
-            return PlannedWrites(plan_weight_writes(self.core.runner.model, named_tensors, require_all=require_all),
-                                 None if draft is None else
-                                 plan_weight_writes(draft.runner.model, named_tensors, require_all=require_all))
+            return (plan_weight_writes(self.core.runner.model, named_tensors, require_all=require_all),
+                    None if draft is None else
+                    plan_weight_writes(draft.runner.model, named_tensors, require_all=require_all))
         except ValueError as e:
             raise WeightUpdateError(f"weight update refused, the old weights keep serving: {e}") from None
 
@@ -161,6 +175,8 @@ class WeightUpdater:
         draft = self_draft(self.core)
         if planned.draft is not None and draft is not None:
             draft.runner.prepacked_bytes = write_weights(draft.runner.model, planned.draft)
+        if planned.release is not None:
+            planned.release()
         if flush_cache:
             sched.cache.reset()
             if draft is not None:
