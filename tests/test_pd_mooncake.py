@@ -197,6 +197,49 @@ def test_a_failed_read_ends_in_the_fallback_and_leaks_nothing(model_dir, colocat
 
 
 @needs_mooncake
+def test_a_read_past_the_deadline_falls_back_and_its_buffer_waits_for_the_read(model_dir, colocated, monkeypatch):
+    """The read stalls (held on an event) past D's deadline: the request falls back at the deadline,
+    its pages are freed, and the receive buffer stays quarantined until the read has returned."""
+    import threading
+    monkeypatch.setattr(mooncake, "QUARANTINE_S", 0.2)
+    prefill = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                    disaggregation_transfer_backend="mooncake", disaggregation_timeout=10)
+    decode = _mc_decode(model_dir, disaggregation_timeout=1.0)
+    gate = threading.Event()
+    real_read = decode.kv_connector._timed_read
+
+    def stalled_read(*args):
+        gate.wait(30)
+        return real_read(*args)
+
+    monkeypatch.setattr(decode.kv_connector, "_timed_read", stalled_read)
+    try:
+        ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
+        colocated.flush_cache()
+        _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+        got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(),
+                                                         kv_transfer_params=_remote(prefill))])])
+        assert _tokens(got, "d") == _tokens(ref, "c")  # recomputed after the deadline
+        st = decode.kv_connector.stats()
+        assert st["num_fallbacks"] == 1 and st["num_transfers"] == 0 and st["num_quarantined"] == 1
+        _idle_and_clean(decode)
+        time.sleep(0.5)
+        decode.kv_connector.poll(decode)
+        assert decode.kv_connector.stats()["num_quarantined"] == 1  # the read has not returned
+        gate.set()
+        deadline = time.monotonic() + 20
+        while decode.kv_connector.stats()["num_quarantined"]:
+            assert time.monotonic() < deadline, "the receive buffer stayed quarantined"
+            decode.kv_connector.poll(decode)
+            time.sleep(0.05)
+        _idle_and_clean(prefill)
+    finally:
+        gate.set()
+        decode.kv_connector.close()
+        prefill.kv_connector.close()
+
+
+@needs_mooncake
 def test_the_exposed_bytes_are_the_pool_slots_and_an_unreleased_buffer_expires(model_dir, mc_prefill):
     """A raw mooncake pull: the buffer P names holds exactly its pool's K/V of the matched slots (read
     here with a third transfer engine, compared with P's pool); nobody releases it, so it expires
