@@ -4,11 +4,11 @@ A step's parallel regions run at the pace of their slowest OpenMP thread. When a
 one of the engine core's cores busy (a load generator preparing its prompts, a build beside the
 server), a thread waits at every barrier for a partner the OS scheduler has taken away, and a step
 takes two to three times as long as it does on one thread alone (benchmarks/README.md, "Server
-threads and step budget", the busy column, and "Time to first token under load"). ``ThreadGovernor``
-is asked between steps: every ``window_s`` seconds it measures how many cores the processors this
-process may run on spent on other processes (Linux ``/proc/stat``'s per-CPU busy time, less this
-process's own CPU time) and sets torch's intra-op threads to the cores left, at most ``max_threads``
-and at least one. A core counts as taken once others keep it busy ``TAKEN`` of the time, and as free
+threads and step budget", the busy column, and "Issue 15, item 2: the TTFT tail under guidellm").
+The model runner asks ``ThreadGovernor`` before each step: at most every ``window_s`` seconds it
+measures how many cores the processors this process may run on spent on other processes (Linux
+``/proc/stat``'s per-CPU busy time, less this process's own CPU time) and sets torch's intra-op
+threads to the cores left, at most ``max_threads`` and at least one. A core counts as taken once others keep it busy ``TAKEN`` of the time, and as free
 again below ``FREED``, so a load near the threshold does not flip the count every window.
 """
 
