@@ -88,6 +88,30 @@ def test_invariant_linear_is_one_fma_chain_per_element():
             assert y[r, c].item() == np.float32(np.float64(acc) + b[c].item())
 
 
+def test_a_weight_update_repacks_in_place_and_matches_a_fresh_load():
+    """process_after_load again (what a weight update runs) writes the new panels into the packed copy
+    it already has, bit-equal to packing the new weight from scratch; a changed shape gets a new tensor."""
+    kern = _kernels(torch.float32)
+    method = InvariantLinearMethod(kern)
+    lin = _linear(method, 37, 100, torch.float32, bias=True)
+    before = lin.bi
+    lin.weight.data.copy_(torch.randn(37, 100, generator=_gen(5)))
+    method.process_after_load(lin)
+    assert lin.bi.data_ptr() == before.data_ptr()  # the same memory, re-packed
+    fresh = _linear(InvariantLinearMethod(kern), 37, 100, torch.float32, bias=True)
+    fresh.weight.data.copy_(lin.weight.data)
+    fresh.bias.data.copy_(lin.bias.data)
+    fresh.bi = None
+    method.process_after_load(fresh)
+    assert torch.equal(lin.bi, fresh.bi)
+    x = torch.randn(5, 100, generator=_gen(6))
+    ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    assert (lin(x).double() - ref).abs().max().item() < 1e-4  # the forward follows the new weight
+    lin.bi = torch.empty(3, 100, 16)  # not this weight's shape: packed into a new tensor
+    method.process_after_load(lin)
+    assert torch.equal(lin.bi, fresh.bi)
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------

@@ -416,15 +416,19 @@ class CpuKernels:
     BI_PANEL = 16
     BI_CHUNK = 64
 
-    def bi_pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] in the kernels' dtype -> bi_linear's panel layout: a new tensor
-        [ceil(N / BI_PANEL), K, BI_PANEL], zero past column N (the weight's bytes again)."""
+    def bi_pack_weight(self, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """weight [N, K] in the kernels' dtype -> bi_linear's panel layout [ceil(N / BI_PANEL), K, BI_PANEL],
+        zero past column N (the weight's bytes again): written into ``out`` when it is a contiguous tensor
+        of that shape and dtype (a weight update re-packs in place, without touching new memory), else
+        into a new tensor. Returns the packed tensor."""
         self._check(weight)
         n, k = weight.shape
         w = weight.contiguous()
-        wp = torch.empty((n + self.BI_PANEL - 1) // self.BI_PANEL, k, self.BI_PANEL, dtype=self.dtype)
-        self._bi_linear_pack(w.data_ptr(), n, k, wp.data_ptr())
-        return wp
+        shape = ((n + self.BI_PANEL - 1) // self.BI_PANEL, k, self.BI_PANEL)
+        if out is None or tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous():
+            out = torch.empty(shape, dtype=self.dtype)
+        self._bi_linear_pack(w.data_ptr(), n, k, out.data_ptr())
+        return out
 
     def bi_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:

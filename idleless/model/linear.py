@@ -165,7 +165,7 @@ class InvariantLinearMethod(LinearMethod):
         self.kernels = kernels
 
     def process_after_load(self, layer: "Linear") -> int:
-        layer.bi = self.kernels.bi_pack_weight(layer.weight.detach())
+        layer.bi = self.kernels.bi_pack_weight(layer.weight.detach(), out=getattr(layer, "bi", None))
         return layer.bi.numel() * layer.bi.element_size()
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +185,7 @@ class SmallBatchLinearMethod(LinearMethod):
 
     def process_after_load(self, layer: "Linear") -> int:
         extra = self.base.process_after_load(layer)
-        layer.bi = self.kernels.bi_pack_weight(layer.weight.detach())
+        layer.bi = self.kernels.bi_pack_weight(layer.weight.detach(), out=getattr(layer, "bi", None))
         return extra + layer.bi.numel() * layer.bi.element_size()
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
