@@ -83,8 +83,10 @@ PROMPT = list(range(3, 60))
 PROMPT2 = PROMPT[:40] + list(range(100, 130))  # shares 40 tokens with PROMPT
 
 
-def test_decode_equals_colocated_bitwise_and_second_request_pulls_only_the_suffix(model_dir, colocated, prefill):
-    decode = _core(model_dir, disaggregation_mode="decode")
+def pull_twice_and_check(decode, prefill, colocated) -> dict:
+    """P prefills PROMPT, D pulls its KV and decodes; then PROMPT2, which shares 40 tokens with it, so D
+    pulls only the suffix. Checks D's tokens against the colocated engine's (bitwise), the tokens and
+    bytes counted, and the prefix hit at admission. Returns D's connector stats."""
     ref = _run([colocated], [(colocated, [Request("c1", PROMPT, _params()), Request("c2", PROMPT2, _params())])])
     colocated.flush_cache()
 
@@ -106,6 +108,12 @@ def test_decode_equals_colocated_bitwise_and_second_request_pulls_only_the_suffi
     st = decode.kv_connector.stats()
     assert st["num_skipped_tokens"] == 40
     assert st["num_tokens_received"] == (len(PROMPT) - 1) + (len(PROMPT2) - 1 - 40)
+    return st
+
+
+def test_decode_equals_colocated_bitwise_and_second_request_pulls_only_the_suffix(model_dir, colocated, prefill):
+    decode = _core(model_dir, disaggregation_mode="decode")
+    pull_twice_and_check(decode, prefill, colocated)
     assert decode.stats()["time"]["kv_transfer"] > 0 and prefill.stats()["time"]["kv_transfer"] > 0
     _idle_and_clean(decode)
     _idle_and_clean(prefill)

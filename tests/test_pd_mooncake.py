@@ -20,7 +20,8 @@ import zmq
 
 from idleless.disagg import mooncake, wire
 from idleless.engine.request import Request
-from test_disagg import PROMPT, PROMPT2, _core, _free_port, _idle_and_clean, _params, _remote, _run, _tokens
+from test_disagg import (PROMPT, _core, _free_port, _idle_and_clean, _params, _remote, _run, _tokens,
+                         pull_twice_and_check)
 
 needs_mooncake = pytest.mark.skipif(mooncake.missing_reason() is not None, reason="mooncake not installed")
 
@@ -60,26 +61,9 @@ def _until_buffers_freed(prefill, limit_s=20.0):
 @needs_mooncake
 def test_mooncake_decode_equals_colocated_bitwise_and_pulls_only_the_suffix(model_dir, colocated, mc_prefill):
     decode = _mc_decode(model_dir)
-    ref = _run([colocated], [(colocated, [Request("c1", PROMPT, _params()), Request("c2", PROMPT2, _params())])])
-    colocated.flush_cache()
-    prefill = mc_prefill
-
-    _run([prefill], [(prefill, [Request("p1", PROMPT, _params(1))])])
-    got = _run([decode, prefill], [(decode, [Request("d1", PROMPT, _params(), kv_transfer_params=_remote(prefill))])])
-    assert _tokens(got, "d1") == _tokens(ref, "c1")
-    st = decode.kv_connector.stats()
+    st = pull_twice_and_check(decode, mc_prefill, colocated)
     assert st["transfer_backend"] == "mooncake"
-    assert st["num_transfers"] == 1 and st["num_tokens_received"] == len(PROMPT) - 1
-    layout = wire.pool_layout(decode.scheduler.pool)
-    per_token = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"] * 4  # K and V, float32
-    assert st["bytes_received"] == per_token * (len(PROMPT) - 1)
-
-    _run([prefill], [(prefill, [Request("p2", PROMPT2, _params(1))])])
-    got = _run([decode, prefill], [(decode, [Request("d2", PROMPT2, _params(), kv_transfer_params=_remote(prefill))])])
-    assert _tokens(got, "d2") == _tokens(ref, "c2")
-    st = decode.kv_connector.stats()
-    assert st["num_skipped_tokens"] == 40
-    assert st["num_tokens_received"] == (len(PROMPT) - 1) + (len(PROMPT2) - 1 - 40)
+    prefill = mc_prefill
     _until_buffers_freed(prefill)
     pst = prefill.kv_connector.stats()
     assert pst["num_read_released"] >= 2 and pst["num_read_expired"] == 0
