@@ -119,7 +119,9 @@ def stop_replicas(procs: list, grace_s: float) -> None:
 
 
 def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> int:
-    """Start ``args.dp`` replicas and the router; returns the exit code (1 if a replica failed)."""
+    """Start ``args.dp`` replicas and the router; returns the exit code (1 if a replica failed). A
+    SIGINT before the router listens stops the replicas and returns 0, even when the interrupt was
+    swallowed inside a blocking call of the start-up."""
     from idleless.router import launch as router_launch
 
     dp = args.dp
@@ -128,10 +130,24 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
     if on_ray:  # Ray actors across the cluster's nodes, keeping --api-key (idleless.router.ray_replicas)
         from idleless.router import ray_replicas
         start, ready, stop = ray_replicas.start_replicas, ray_replicas.wait_ready, ray_replicas.stop_replicas
+    # Ctrl-C while the replicas start: a KeyboardInterrupt raised inside a library's blocking call can be
+    # swallowed there (Ray's ray.get polls signals and may turn it into a return), so the handler also
+    # leaves a mark, and the launch stops at the next check instead of starting the router.
+    interrupted = []
+
+    def on_interrupt(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
     procs, urls = start(args, dp)
     code = 0
     try:
-        ready(procs, urls, ready_timeout_s)
+        if not interrupted:
+            ready(procs, urls, ready_timeout_s)
+        if interrupted:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, previous)  # from here the router's own handlers drain and return
         log.info("%d replicas ready (%d threads each): %s", dp,
                  procs.threads if on_ray else replica_args(args, dp, 0, 0, 0).num_threads, " ".join(urls))
         parser = argparse.ArgumentParser()
@@ -145,11 +161,15 @@ def serve_replicas(args: argparse.Namespace, ready_timeout_s: float = 900.0) -> 
             rargs.chat_template = args.chat_template
         asyncio.run(router_launch.serve(rargs))
     except RuntimeError as e:
-        log.error("%s", e)
-        code = 1
+        if interrupted:  # the start-up failed because it was interrupted: the stop the user asked for
+            log.info("stopping on Ctrl-C (%s)", e)
+        else:
+            log.error("%s", e)
+            code = 1
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGINT, previous)
         try:
             stop(procs, args.shutdown_grace)
         except RuntimeError as e:  # a replica that had to be force-stopped (ray_replicas.stop_replicas)
