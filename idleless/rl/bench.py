@@ -112,6 +112,8 @@ def main(args: argparse.Namespace) -> int:
     for path, r in results.items():
         send = f"{r['broadcast_s_median']:.3f}" if "broadcast_s_median" in r else ""
         print(f"| {path} | {r['wall_s_median']:.3f} | {r['wall_s_min']:.3f} | {r['engine_s_median']:.3f} | {send} |")
+    print("greedy answer after the last push (the same weights pushed back): "
+          + ("the same as before" if before == after else f"CHANGED: {before!r} -> {after!r}"))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1)
