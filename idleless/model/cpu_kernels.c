@@ -1716,6 +1716,7 @@ static inline f8 f8_fma(const float *x, f8 w, f8 acc) { return f8_fmav(_mm256_lo
 static inline f8 f8_ld(const float *p) { return _mm256_loadu_ps(p); }
 static inline void f8_st(float *p, f8 v) { _mm256_storeu_ps(p, v); }
 static inline float f8_sum(f8 v) { return hsum8(v); }
+#define F8_IN_REGISTER(v) __asm__("" : "+x"(v))
 /* block b of column c as 4 vectors of 8 float32 weights (k order): fmt a constant where inlined */
 static inline __attribute__((always_inline)) void gguf_block(const gguf_w *W, int fmt, int64_t c, int64_t b,
                                                              f8 w[4]) {
@@ -1753,6 +1754,7 @@ static inline f8 f8_fma(const float *x, f8 w, f8 acc) {
     return acc;
 }
 static inline f8 f8_ld(const float *p) { f8 r; memcpy(r.v, p, sizeof r.v); return r; }
+#define F8_IN_REGISTER(v) ((void)0)
 static inline void f8_st(float *p, f8 v) { memcpy(p, v.v, sizeof v.v); }
 static inline float f8_sum(f8 v) { /* hsum8's tree: (lo + hi), then lanes 0 + 2 and 1 + 3, then those two */
     float s[4];
@@ -1805,6 +1807,7 @@ static inline __attribute__((always_inline)) void gguf_tile(const float *x, cons
         for (int j = 0; j < C; j++) wv[j] = f8_ld(w + j * k + i);
         for (int r = 0; r < R; r++) {
             f8 xv = f8_ld(x + r * k + i);
+            F8_IN_REGISTER(xv); /* one load of x for both columns (the compiler would fold it into each FMA) */
             for (int j = 0; j < C; j++) acc[r][j] = f8_fmav(xv, wv[j], acc[r][j]);
         }
     }
