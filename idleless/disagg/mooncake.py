@@ -129,11 +129,11 @@ class MooncakeEngine:
 
     def register(self, buf: torch.Tensor) -> int:
         """Register a contiguous CPU tensor's memory; returns its address. Raises RuntimeError."""
-        addr = buf.data_ptr()
-        if buf.numel():
-            ret = self.engine.register_memory(addr, buf.numel() * buf.element_size())
+        addr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        if nbytes:
+            ret = self.engine.register_memory(addr, nbytes)
             if ret != 0:
-                raise RuntimeError(f"Mooncake could not register {buf.numel()} bytes (code {ret})")
+                raise RuntimeError(f"Mooncake could not register {nbytes} bytes (code {ret})")
         return addr
 
     def unregister(self, buf: torch.Tensor) -> None:
@@ -142,11 +142,12 @@ class MooncakeEngine:
             log.warning("mooncake: unregistering a KV buffer failed")
 
     def read(self, session_id: str, buf: torch.Tensor, remote_addr: int) -> int:
-        """Read ``buf.numel()`` bytes at ``remote_addr`` of the peer ``session_id`` into ``buf``
-        (registered); blocks, without the GIL, for at most ``timeout_s``. Returns 0 on success,
-        negative on failure (an exception from the binding is a failure too)."""
+        """Read ``buf``'s size in bytes at ``remote_addr`` of the peer ``session_id`` into ``buf``
+        (registered, contiguous); blocks, without the GIL, for at most ``timeout_s``. Returns 0 on
+        success, negative on failure (an exception from the binding is a failure too)."""
+        nbytes = buf.numel() * buf.element_size()
         try:
-            return int(self.engine.transfer_sync_read(session_id, buf.data_ptr(), remote_addr, buf.numel()))
+            return int(self.engine.transfer_sync_read(session_id, buf.data_ptr(), remote_addr, nbytes))
         except Exception as e:  # noqa: BLE001 - the binding raises on a bad peer; a failed read ends the pull
             log.warning("mooncake read from %s failed: %s", session_id, e)
             return -1
