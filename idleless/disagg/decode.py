@@ -19,6 +19,14 @@ engine instead of carrying the KV, and a worker thread reads it through Mooncake
 (``mooncake`` describes the exchange and why a buffer a read may still touch is never freed early);
 the step thread only starts the read and, between steps, imports what has arrived. A read that
 fails, or does not return before the pull's deadline, ends the pull like any other failure.
+
+A request whose ``kv_transfer_params`` say ``"layerwise": true`` (with the router's ``transfer_id``)
+comes while the prefill engine still computes its prompt: its slots are allocated at once and the
+pull asks for the KV layer by layer (``wire``, ``layerwise``); each ``KVL`` message is written into
+those slots as it arrives, between steps, and when every layer has reached the end the prefix is
+inserted into the radix tree and the request queued as above. Until then the slots belong to the
+pull; every way a pull ends frees them. A prefill engine that had already finished answers with
+one ``KV`` message, taken as above.
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ class _Pull:
     deadline: float
     sent: float  # time.monotonic() when the pull went out
     read: Optional[_Read] = None  # mooncake: the read of the KV, once the reply came
+    slots: Optional[torch.Tensor] = None  # layer-wise: int64 [want - skip], the pull's own until it ends
+    received: Optional[list[int]] = None  # layer-wise: per layer, the position its KV has reached
+    layerwise: bool = False  # asked layer by layer (whatever the backend, the KV comes on the ZMQ wire)
 
 
 @dataclass(eq=False)
@@ -118,7 +129,7 @@ class DecodeConnector(KVConnector):
         self._outputs: list[RequestOutput] = []
         self.counters = {"num_pulls": 0, "num_transfers": 0, "num_tokens_received": 0, "bytes_received": 0,
                          "seconds": 0.0, "num_fallbacks": 0, "num_errors": 0, "num_skipped_tokens": 0,
-                         "num_released": 0, "read_seconds": 0.0}
+                         "num_released": 0, "read_seconds": 0.0, "num_layerwise": 0, "num_layer_messages": 0}
         self.backend = backend
         self.mc = mooncake.MooncakeEngine(host, timeout_s) if backend == "mooncake" else None
         self._reader = ThreadPoolExecutor(2, "idleless-kv-read") if self.mc is not None else None
@@ -143,21 +154,41 @@ class DecodeConnector(KVConnector):
         cache.lock(handle)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(peer)
         header = {"rid": req.rid, "token_ids": list(req.prompt_ids), "skip": handle.cached_len, "want": want,
                   "layout": self.layout}
         tid = params.get("transfer_id")
         if isinstance(tid, str) and tid:
             header["transfer_id"] = tid  # the prefill engine's queue and prefill seconds come back with it
-        if self.mc is not None:  # P keeps the KV readable until a read started before our deadline is over
+        now = time.monotonic()
+        p = _Pull(req, handle, handle.cached_len, want, sock, peer, now + self.timeout_s, now)
+        self.pending[req.rid] = p
+        self.counters["num_pulls"] += 1
+        self.counters["num_skipped_tokens"] += handle.cached_len
+        if params.get("layerwise") is True and "transfer_id" in header:
+            p.slots = self._alloc(handle.cached_len, want - handle.cached_len)
+            if p.slots is None:
+                self._fail(p, "no room in the KV pool for the prompt's KV", "kv_transfer_no_room")
+                return True
+            p.received = [handle.cached_len] * self.layout["num_layers"]
+            p.layerwise = True
+            header["layerwise"] = True  # the KV comes layer by layer, many messages: queue them all
+            sock.setsockopt(zmq.RCVHWM, 0)
+            self.counters["num_layerwise"] += 1
+        sock.connect(peer)
+        if self.mc is not None and not p.layerwise:  # P keeps the KV readable until a read before our deadline is over
             header["transfer"] = "mooncake"
             header["hold_s"] = self.timeout_s + self.mc.timeout_s + mooncake.QUARANTINE_S
         sock.send_multipart([wire.PULL, wire.encode_header(header)])
-        now = time.monotonic()
-        self.pending[req.rid] = _Pull(req, handle, handle.cached_len, want, sock, peer, now + self.timeout_s, now)
-        self.counters["num_pulls"] += 1
-        self.counters["num_skipped_tokens"] += handle.cached_len
         return True
+
+    def _alloc(self, skip: int, n: int) -> Optional[torch.Tensor]:
+        """Slots for ``n`` tokens after a page-aligned prefix of ``skip`` (evicting cached prefixes
+        when short); None when the pool cannot hold them."""
+        pool = self.pool
+        short = pool.tokens_needed(skip, n) - pool.num_free_slots
+        if short > 0:
+            self.sched.cache.evict(short)
+        return pool.alloc(skip, 0, n)  # skip is page-aligned: whole new pages
 
     def _release(self, peer: str, params: dict) -> None:
         """Tell the prefill engine that no pull will name this ``transfer_id`` (it unlocks the prefix
@@ -214,11 +245,11 @@ class DecodeConnector(KVConnector):
             if p.read.future.done():
                 self._finish_read(p)
         for rid, p in list(self.pending.items()):
-            if p.read is None and p.sock in ready:
+            while p.read is None and p.sock in ready and self.pending.get(rid) is p:  # all that came
                 try:
                     frames = p.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    continue
+                    break
                 self._receive(p, frames)
         now = time.monotonic()
         for p in list(self.pending.values()):
@@ -237,16 +268,22 @@ class DecodeConnector(KVConnector):
                 code = head.get("code") or "kv_transfer_failed"
                 self._fail(p, f"the prefill engine at {p.peer} refused: {head.get('error')}", code)
                 return
-            if kind != wire.KV:
-                raise ValueError(f"unknown reply kind {kind[:16]!r}")
+            if kind not in (wire.KV, wire.LAYERS) or (kind == wire.LAYERS and p.slots is None):
+                raise ValueError(f"unexpected reply kind {kind[:16]!r}")
             why = wire.layout_mismatch(self.layout, head.get("layout"))
             if why is not None:
                 self._fail(p, why, "layout_mismatch")
                 return
+            if kind == wire.LAYERS:
+                self._write_layers(p, head, frames[2:])
+                return
+            if p.slots is not None:  # the prefill engine had finished: the whole prompt in one message
+                self.pool.free(p.slots)
+                p.slots = p.received = None
             start, n = int(head["start"]), int(head["num_tokens"])
             if start != p.skip or n < 0 or start + n > p.want:
                 raise ValueError(f"reply covers [{start}, {start + n}), asked [{p.skip}, {p.want})")
-            if self.mc is not None:
+            if self.mc is not None and not p.layerwise:
                 if len(frames) != 2:
                     raise ValueError("a mooncake reply carries no tensor frames")
                 info = self._read_info(head, n) if n >= self.pool.page_size else None
@@ -259,10 +296,36 @@ class DecodeConnector(KVConnector):
             self._fail(p, f"the prefill engine at {p.peer} holds no KV of this prompt past {p.skip} tokens",
                        "kv_transfer_missed")
             return
-        if self.mc is not None:
+        if self.mc is not None and not p.layerwise:
             self._start_read(p, info, n, head)
             return
         self._complete(p, n, tensors, head)
+
+    def _write_layers(self, p: _Pull, head: dict, frames) -> None:
+        """Write one ``KVL`` message into the pull's slots; the last one completes the pull. Raises
+        ValueError (KeyError, TypeError) for a message that does not continue every layer it names."""
+        start, n = int(head["start"]), int(head["num_tokens"])
+        first, m = int(head["layer"]), int(head["num_layers"])
+        if not (m >= 1 and 0 <= first and first + m <= len(p.received) and n >= 1 and start + n <= p.want
+                and all(p.received[i] == start for i in range(first, first + m))):
+            raise ValueError(f"layers [{first}, {first + m}) at [{start}, {start + n}) do not continue "
+                             f"{p.received[first:first + m] if 0 <= first else '?'}")
+        tensors = self._tensors(frames, n, m)
+        slots, pool = p.slots[start - p.skip:start - p.skip + n], self.pool
+        pool.k_cache[first:first + m, slots] = tensors[0]
+        pool.v_cache[first:first + m, slots] = tensors[1]
+        if pool.quantized:
+            pool.k_scale[first:first + m, slots] = tensors[2]
+            pool.v_scale[first:first + m, slots] = tensors[3]
+        for i in range(first, first + m):
+            p.received[i] = start + n
+        c = self.counters
+        c["num_layer_messages"] += 1
+        c["bytes_received"] += sum(t.numel() * t.element_size() for t in tensors)
+        if first == 0:
+            c["num_tokens_received"] += n
+        if min(p.received) == p.want:
+            self._enqueue(p, self._insert(p, p.slots, p.want - p.skip), {})
 
     def _read_info(self, head: dict, n: int) -> dict:
         """The ``mooncake`` block of a reply, checked. Raises ValueError."""
@@ -329,21 +392,28 @@ class DecodeConnector(KVConnector):
         if handle is None:
             self._fail(p, "no room in the KV pool for the transferred prefix", "kv_transfer_no_room")
             return
+        c = self.counters
+        c["num_tokens_received"] += n
+        c["bytes_received"] += sum(t.numel() * t.element_size() for t in tensors)
+        self._enqueue(p, handle, head)
+
+    def _enqueue(self, p: _Pull, handle: CacheHandle, head: dict) -> None:
+        """The pull is complete (its prefix inserted and locked under ``handle``): queue the request."""
         del self.pending[p.req.rid]
         p.sock.close()  # with its LINGER: 0, or 1 s for a mooncake release to leave
+        p.slots = None  # the tree's now
         imported = time.monotonic()
         c = self.counters
         c["num_transfers"] += 1
-        c["num_tokens_received"] += n
-        c["bytes_received"] += sum(t.numel() * t.element_size() for t in tensors)
         c["seconds"] += imported - p.sent
         rec = self._queue(p.req, handle)
         if rec is not None:
             parts = timing.valid_prefill_parts(head.get("prefill_timing")) or {"queue_s": None, "prefill_s": None}
             self.splits[p.req.rid] = _Split(rec, {**parts, "transfer_s": imported - p.sent}, imported)
 
-    def _tensors(self, frames, n: int) -> list[torch.Tensor]:
-        L, H, D = self.layout["num_layers"], self.layout["num_kv_heads"], self.layout["head_dim"]
+    def _tensors(self, frames, n: int, num_layers: Optional[int] = None) -> list[torch.Tensor]:
+        L = self.layout["num_layers"] if num_layers is None else num_layers
+        H, D = self.layout["num_kv_heads"], self.layout["head_dim"]
         want = 4 if self.pool.quantized else 2
         if len(frames) != want:
             raise ValueError(f"{len(frames)} tensor frames, expected {want}")
@@ -354,11 +424,8 @@ class DecodeConnector(KVConnector):
     def _import(self, p: _Pull, n: int, tensors: list[torch.Tensor]) -> Optional[CacheHandle]:
         """Write the KV into new slots and insert ``prompt[:skip + n]``; returns the inserted prefix's
         handle, locked (the pull's own lock is released), or None when the pool has no room."""
-        pool, cache = self.pool, self.sched.cache
-        short = pool.tokens_needed(p.skip, n) - pool.num_free_slots
-        if short > 0:
-            cache.evict(short)
-        slots = pool.alloc(p.skip, 0, n)  # skip is page-aligned: whole new pages
+        pool = self.pool
+        slots = self._alloc(p.skip, n)
         if slots is None:
             return None
         pool.k_cache[:, slots] = tensors[0]
@@ -366,6 +433,12 @@ class DecodeConnector(KVConnector):
         if pool.quantized:
             pool.k_scale[:, slots] = tensors[2]
             pool.v_scale[:, slots] = tensors[3]
+        return self._insert(p, slots, n)
+
+    def _insert(self, p: _Pull, slots: torch.Tensor, n: int) -> CacheHandle:
+        """Insert ``prompt[:skip + n]`` with its new ``slots`` [n] into the tree (freeing what the tree
+        does not take); returns its handle, locked (the pull's own lock is released)."""
+        pool, cache = self.pool, self.sched.cache
         key = p.req.prompt_ids[:p.skip + n]
         prefix_len, handle = cache.insert(key, torch.cat([p.handle.slots, slots]))
         if prefix_len > p.skip:  # cached meanwhile by another request: our copies are duplicates
@@ -410,6 +483,9 @@ class DecodeConnector(KVConnector):
     def _close(self, p: _Pull) -> None:
         p.sock.close()  # with its LINGER (0 unless a mooncake release is on its way)
         self.sched.cache.unlock(p.handle)
+        if p.slots is not None:  # layer-wise: the slots received into, never inserted
+            self.pool.free(p.slots)
+            p.slots = None
         if p.read is not None:  # the read may still write into its buffer
             self._quarantine.append(p.read)
             p.read = None

@@ -29,6 +29,13 @@ the pull's ``hold_s``. A mooncake pull to an engine without the backend is refus
 
 For the TTFT split (``timing``) the connector times the requests a router sent with a
 ``transfer_id``: their queue and prefill seconds go into the header of the pull that names that id.
+
+A layer-wise pull (``wire``; the router started this engine and the decode engine at once) that
+names the ``transfer_id`` of a request still running here is not matched in the tree: the request's
+KV is streamed layer by layer as its steps compute it (``layerwise.LayerStreamer``, attached to the
+model runner). One that arrives before its request is parked until the request comes (or ``ERR``
+after ``timeout_s``); one that arrives after the request finished takes the paths above (one ``KV``
+message). A streamed request that ends without its KV complete (an abort) is answered ``ERR``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import zmq
 from idleless.cache.base import CacheHandle
 from idleless.disagg import mooncake, timing, wire
 from idleless.disagg.connector import KVConnector
+from idleless.disagg.layerwise import LayerStreamer, Stream
 from idleless.engine.request import Request
 
 log = logging.getLogger("idleless.disagg")
@@ -133,6 +141,7 @@ class PrefillConnector(KVConnector):
         ctx = zmq.Context.instance()
         self.sock = ctx.socket(zmq.ROUTER)  # the transfer thread's from start()
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # a layer-wise stream is many messages: never drop one
         self.sock.bind(f"tcp://{host}:{port or '*'}")  # port 0: any free port (see ``address``)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.port = int(self.address.rsplit(":", 1)[1])
@@ -153,7 +162,12 @@ class PrefillConnector(KVConnector):
         self._lock = threading.Lock()  # guards counters (both threads write them)
         self.counters = {"num_pulls": 0, "num_tokens_sent": 0, "bytes_sent": 0, "seconds": 0.0,
                          "wait_seconds": 0.0, "num_bad_messages": 0, "num_read_released": 0,
-                         "num_read_expired": 0}
+                         "num_read_expired": 0, "num_streams": 0, "num_layer_messages": 0}
+        self.timeout_s = float(timeout_s)
+        self._by_tid: dict[str, str] = {}  # transfer_id -> rid of a timed request not finished (step thread)
+        self._parked: dict[str, tuple] = {}  # transfer_id -> (ident, head, monotonic expiry): layer-wise pulls
+        self.streamer = LayerStreamer(self.pool, self._send_layers)
+        self.streamer.attach(core.runner)
         self._thread = threading.Thread(target=self._run, name="idleless-kv-transfer", daemon=True)
         self._thread.start()
 
@@ -173,15 +187,22 @@ class PrefillConnector(KVConnector):
             return False
         self.sched.add_request(req)  # RequestError: nothing queued, nothing kept
         self._timed[req.rid] = _Timed(self.sched.waiting[-1], tid, time.monotonic())
+        self._by_tid[tid] = req.rid
+        parked = self._parked.pop(tid, None)
+        if parked is not None:
+            self._stream(req.rid, parked[0], parked[1])
         return True
 
     def has_work(self) -> bool:
         """Pulls on their way through the two threads, and reservations, hold locked prefixes: a
         flush or a memory release must wait for them."""
-        return self._in_flight > 0
+        return self._in_flight > 0 or bool(self._parked)
 
     def poll(self, core) -> None:
+        self.streamer.flush()  # before the step's slots can be freed or written again
         now = time.monotonic()
+        if self._parked:
+            self._expire_parked(now)
         if self._timed:
             self._time_requests(now)
         for tid, expires in list(self._reserved.items()):
@@ -189,7 +210,7 @@ class PrefillConnector(KVConnector):
                 del self._reserved[tid]
                 self._to_thread.put(("expire", tid))
                 _signal(self._jobs_tx)
-        if self._in_flight and not self.sched.has_work():
+        if (self._in_flight or self._parked) and not self.sched.has_work():
             self._wake_rx.poll(5)  # only pulls or reservations: wait a little for their ends, do not spin
         while True:
             try:
@@ -229,9 +250,16 @@ class PrefillConnector(KVConnector):
             if rec.finish_reason is None:
                 continue
             del self._timed[rid]
+            self._by_tid.pop(t.transfer_id, None)
+            stream = self.streamer.drop(rid)
+            if stream is not None and not stream.done:
+                self._error(stream.ident, stream.peer_rid, "the prefill engine ended the request before its KV "
+                            f"was complete ({rec.finish_reason.value})", "kv_transfer_failed")
             if rec.first_token_time is None or t.admitted is None:  # ended without a token (aborted)
                 continue
             parts = timing.prefill_parts(rec.arrival_time, t.admitted, rec.first_token_time)
+            if stream is not None:  # streamed: no pull will name it any more
+                continue
             self._timings[t.transfer_id] = parts
             while len(self._timings) > _KEEP_TIMINGS:
                 self._timings.popitem(last=False)
@@ -248,7 +276,51 @@ class PrefillConnector(KVConnector):
         self._to_thread.put(_Reservation(tid, list(ids), handle, parts))
         _signal(self._jobs_tx)
 
+    def _stream_or_park(self, ident: bytes, head: dict, tid: str) -> bool:
+        """A layer-wise pull: stream it (its request runs here), park it (its request has not come
+        yet), or False (its request finished: the whole-prompt paths serve it)."""
+        rid = self._by_tid.get(tid)
+        if rid is not None:
+            self._stream(rid, ident, head)
+            return True
+        if tid in self._timings or tid in self._reserved or tid in self._parked:
+            return False
+        self._parked[tid] = (ident, head, time.monotonic() + self.timeout_s)
+        return True
+
+    def _stream(self, rid: str, ident: bytes, head: dict) -> None:
+        rec = self._timed[rid].rec
+        if head["token_ids"] != rec.prompt_ids:
+            self._error(ident, head.get("rid"), "the layer-wise pull names other tokens than the request under "
+                        "its transfer_id", "bad_request")
+            return
+        skip = int(head["skip"])
+        self.streamer.start(Stream(rid, ident, head.get("rid"), skip, int(head["want"]), skip))
+        self.counters["num_streams"] += 1
+
+    def _expire_parked(self, now: float) -> None:
+        for tid, (ident, head, expires) in list(self._parked.items()):
+            if now >= expires:
+                del self._parked[tid]
+                self._error(ident, head.get("rid"), f"no request with this transfer_id reached the prefill engine "
+                            f"within {self.timeout_s:g} s", "kv_transfer_missed")
+
+    def _error(self, ident: bytes, rid, message: str, code: str) -> None:
+        """Have the transfer thread answer ``ERR`` (it owns the socket)."""
+        self._to_thread.put(("err", ident, rid, message, code))
+        _signal(self._jobs_tx)
+
+    def _send_layers(self, s: Stream, start: int, n: int, first: int, parts: list) -> None:
+        """``LayerStreamer``'s sender: the transfer thread sends the copies as one ``KVL`` message."""
+        header = {"rid": s.peer_rid, "start": start, "num_tokens": n, "layer": first,
+                  "num_layers": int(parts[0].shape[0]), "layout": self.layout}
+        self._to_thread.put(("layers", s.ident, header, parts))
+        _signal(self._jobs_tx)
+
     def _lock_and_hand_over(self, ident: bytes, head: dict, t_recv: float) -> None:
+        tid = head.get("transfer_id")
+        if head.get("layerwise") is True and isinstance(tid, str) and self._stream_or_park(ident, head, tid):
+            return
         ids, skip, want = head["token_ids"], int(head["skip"]), int(head["want"])
         cache = self.sched.cache
         handle = cache.match_prefix(ids[:want], hit=True)
@@ -258,7 +330,6 @@ class PrefillConnector(KVConnector):
         else:
             slots, handle = handle.slots[:0], None
         header = {"rid": head.get("rid"), "start": skip, "num_tokens": int(slots.numel()), "layout": self.layout}
-        tid = head.get("transfer_id")
         if isinstance(tid, str) and tid in self._timings:
             header["prefill_timing"] = self._timings.pop(tid)
         self._in_flight += 1
@@ -288,12 +359,16 @@ class PrefillConnector(KVConnector):
                         return
                     if isinstance(job, _Reservation):
                         self._held[job.transfer_id] = job
-                    elif isinstance(job, tuple):  # ("expire", transfer_id)
+                    elif isinstance(job, _Job):
+                        self._send(job)
+                    elif job[0] == "layers":
+                        self._send_layer_message(*job[1:])
+                    elif job[0] == "err":
+                        self._reply_error(*job[1:])
+                    else:  # ("expire", transfer_id)
                         res = self._held.pop(job[1], None)
                         if res is not None:
                             self._hand_back(res)
-                    else:
-                        self._send(job)
                 if self.sock in ready:
                     while True:
                         try:
@@ -407,6 +482,18 @@ class PrefillConnector(KVConnector):
             c["seconds"] += time.perf_counter() - t0
             c["wait_seconds"] += t0 - job.t_recv
 
+    def _send_layer_message(self, ident: bytes, header: dict, parts: list) -> None:
+        t0 = time.perf_counter()
+        self.sock.send_multipart([ident, wire.LAYERS, wire.encode_header(header)]
+                                 + [wire.tensor_frame(t) for t in parts], copy=False)
+        with self._lock:
+            c = self.counters
+            c["num_layer_messages"] += 1
+            c["bytes_sent"] += sum(t.numel() * t.element_size() for t in parts)
+            c["seconds"] += time.perf_counter() - t0
+            if header["layer"] == 0:
+                c["num_tokens_sent"] += header["num_tokens"]
+
     def _expose(self, job: _Job, parts: list) -> None:
         """Copy the KV into a registered staging buffer and answer where to read it (``mooncake``)."""
         buf = mooncake.pack(parts)
@@ -457,6 +544,7 @@ class PrefillConnector(KVConnector):
         d["mode"], d["address"] = self.mode, self.address
         d["num_in_flight"] = self._in_flight
         d["num_read_buffers"] = len(self._exposed)
+        d["num_parked"] = len(self._parked)
         d["transfer_backend"] = self.backend
         d["gb_per_s"] = d["bytes_sent"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
         return d
@@ -468,6 +556,9 @@ class PrefillConnector(KVConnector):
             self._to_thread.put(None)
             _signal(self._jobs_tx)
             self._thread.join(timeout=10)
+        self.streamer.streams.clear()  # nothing can be sent any more
+        self._parked.clear()
+        self._by_tid.clear()
         for res in self._held.values():  # the thread has stopped: its reservations are the step thread's
             self._unlock(res)
         self._held.clear()

@@ -21,6 +21,16 @@ The ``mooncake`` backend (``idleless.disagg.mooncake``) adds to the pull ``"tran
 "nbytes", "read_id"}`` (the same tensors, packed one after another, in a buffer the decode engine
 reads through its transfer engine), and once read the decode engine sends ``[b"DONE", {"read_id"}]``.
 A mooncake pull to an engine without that backend is answered ``ERR`` ``backend_mismatch``.
+
+Layer-wise (``layerwise``): a pull with ``"layerwise": true`` and the router's ``transfer_id``, sent
+while the prefill engine still computes the prompt (the router starts both engines at once), is
+answered with ``[b"KVL", header, k, v]`` (+ scales) messages ``{"rid", "start": s, "num_tokens": n,
+"layer": l, "num_layers": m, "layout"}``: tensors ``[m, n, num_kv_heads, head_dim]`` of layers
+``l .. l + m - 1``, positions ``s .. s + n - 1``. Per layer the positions come in order, without gaps,
+from ``skip`` to ``want``; the transfer is complete when every layer has reached ``want``. A prefill
+engine that has already finished the prompt answers with one ``KV`` message instead, and one that
+ends the request before its KV is complete (an abort), or never gets it, with ``ERR``. Layer-wise
+messages always travel on this wire, whatever the transfer backend.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Optional
 
 import torch
 
-PULL, KV, ERR, DONE = b"PULL", b"KV", b"ERR", b"DONE"
+PULL, KV, ERR, DONE, LAYERS = b"PULL", b"KV", b"ERR", b"DONE", b"KVL"
 MAX_HEADER_BYTES = 64 << 20
 
 

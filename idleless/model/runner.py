@@ -208,6 +208,9 @@ class ModelRunner:
             self.tp.send_plan(plan)  # rank 0: the workers run this plan with it (their collectives join ours)
         self.token_masks.drop(plan.finished_ids)
         self.token_masks.begin(plan)
+        observer = getattr(self, "step_observer", None)  # e.g. PD's layer-wise KV sender (idleless.disagg.layerwise)
+        if observer is not None:
+            observer.begin(plan)
         batch, rows, scored = forward_batch_of(plan)
         h = self._hidden(batch)
         sampled, lps, tops = [], [], []
