@@ -81,6 +81,9 @@ class EngineConfig:
                                           "packed weights kept by default (faster linears, weights x2-3 RAM)")
     disable_cpu_kernels: bool = option(False, "CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, "
                                        "decode attention)")
+    disable_decode_graph: bool = option(False, "run batches of up to 16 tokens through the model's modules "
+                                        "instead of the decode graph (the same calls over preallocated buffers; "
+                                        "SGLang's --disable-cuda-graph, vLLM's --enforce-eager)")
     enable_deterministic_inference: bool = option(False, "batch-invariant kernels: a position's logits depend on "
                                                   "its tokens only, not on the batch, cache or chunking")
     seed: int = option(0, "engine random seed (SGLang's --random-seed); a request without its own seed still "
@@ -159,8 +162,8 @@ class EngineConfig:
     weight_dtype: str = option("auto", "auto (as stored) | bf16 (unquantised, in --dtype) | int8 (per output "
                                "channel) | int4 (Q4_1 blocks of 32) | fp8 (e4m3 per output channel); quantised "
                                "at load from float checkpoints")
-    activation_dtype: str = option("bf16", "bf16 (the model dtype) | int8 (dynamic per token; needs int8 weights: "
-                                   "W8A8)")
+    activation_dtype: str = option("bf16", "bf16 (the model dtype) | int8 (dynamic: per token with int8 weights, "
+                                   "W8A8; per block of 32 with int4 or native GGUF Q4_1 weights, W4A8)")
     kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 | int8 (scales per "
                                  "token and KV head); 8-bit formats hold about twice the tokens")
     # the accuracy gate at start-up (idleless.quant.gate; issue 14)

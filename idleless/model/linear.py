@@ -114,6 +114,12 @@ class LinearMethod:
         """x [T, in_features] in the model dtype -> [T, out_features]."""
         raise NotImplementedError
 
+    def apply_into(self, layer: "Linear", x: torch.Tensor, out: torch.Tensor) -> None:
+        """``apply`` written into ``out`` [T, out_features] (contiguous, the model dtype), bitwise the
+        same values; used by ``decode_graph`` over its preallocated buffers. A method whose kernel can
+        write into a given buffer overrides this to skip the copy."""
+        out.copy_(self.apply(layer, x))
+
 
 class PlainLinearMethod(LinearMethod):
     """``F.linear`` on the weight as stored: any device and dtype."""

@@ -12,6 +12,7 @@ from idleless.cache.kv_pool import KVPool
 from idleless.config import EngineConfig
 from idleless.model import cpu_kernels
 from idleless.model.attention import CompositeAttention
+from idleless.model.decode_graph import DecodeGraph
 from idleless.model.linear import select_linear_method
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import select_ops
@@ -154,6 +155,8 @@ class ModelRunner:
                            self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype)
         self.backend = CompositeAttention(self.pool, heads, kv_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
+        # small batches (decode, verify) skip the module tree: the same calls over preallocated buffers
+        self.decode_graph = None if config.disable_decode_graph else DecodeGraph.build(self.model, self.backend)
         # structured outputs: per-request grammar matchers -> the sampler's token masks (the grammar engine
         # and the vocabulary load in a worker thread from here on)
         self.token_masks = TokenMasks(config.tokenizer or self.model_dir, mc.vocab_size)
@@ -177,6 +180,10 @@ class ModelRunner:
     def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The final-normed hidden states of ``batch.sample_rows`` ([N, hidden]); writes the K/V."""
         meta = self.backend.prepare(batch.extend_lens, batch.prefix_lens, batch.slot_tables)
+        graph = self.decode_graph
+        if graph is not None and graph.can_run(batch.num_tokens):
+            return graph.hidden_states(batch.input_ids, batch.positions, meta, batch.out_cache_loc,
+                                       batch.sample_rows)
         return self.model.hidden_states(batch.input_ids, batch.positions, self.backend, meta, batch.out_cache_loc,
                                         batch.sample_rows)
 

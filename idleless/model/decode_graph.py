@@ -1,0 +1,146 @@
+"""Small batches (decode steps, speculative verifies, short extends) without the module tree: the CPU
+counterpart of replaying a captured CUDA graph (SGLang's ``CudaGraphRunner``, vLLM's CUDA graphs).
+
+A decode step of a small model on a CPU is short: for SmolLM2-135M in its native Q4_1 blocks the linear
+layers read ~100 MB, a few milliseconds at memory speed. Run through ``LlamaForCausalLM.hidden_states``,
+every layer also pays Python for its module calls, the views between them and the allocation of each
+intermediate, which at batch 1 cost about as much as the weight reads (benchmarks/README.md, issue 14).
+``DecodeGraph`` runs the same sequence of calls — the same kernels, linear methods and attention backend,
+in the same order, so the hidden states are bitwise those of the module path — over buffers allocated
+once, with the views of a batch size made once and kept, and the modules' attributes read once at
+construction. What the module path computes per layer:
+
+    residual += h; x = rms_norm(residual)          (the first layer: residual = embedding, x = its norm)
+    qkv = qkv_proj(x); rope(q, k); o = attention(q, k, v)   (the backend writes k, v into the pool)
+    residual += o_proj(o); x = rms_norm(residual)
+    h = down_proj(silu(gate) * up)  with [gate | up] = gate_up_proj(x)
+
+Used by ``ModelRunner`` for batches of at most ``max_rows`` tokens when the model's glue runs on the
+fused CPU kernels (``ops.CpuKernelOps``); anything else goes through the modules.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from idleless.model.llama import LlamaForCausalLM
+from idleless.model.ops import CpuKernelOps
+
+#: most tokens in a batch the graph runs (its buffers hold this many rows)
+MAX_ROWS = 16
+
+
+class _Views:
+    """One batch size's views of the graph's buffers and their addresses (made on first use, kept)."""
+
+    def __init__(self, g: "DecodeGraph", t: int):
+        self.x = g.x_buf[:t]
+        self.qkv = g.qkv_buf[:t]
+        nqk = g.num_heads + g.num_kv_heads
+        self.qk = self.qkv[:, : g.q_size + g.kv_size].view(t, nqk, g.head_dim)
+        self.q = self.qk[:, : g.num_heads]
+        self.k = self.qk[:, g.num_heads:]
+        self.v = self.qkv[:, g.q_size + g.kv_size:].view(t, g.num_kv_heads, g.head_dim)
+        self.attn = g.attn_buf[:t]
+        self.o = g.o_buf[:t]
+        self.gate_up = g.gate_up_buf[:t]
+        self.act = g.act_buf[:t]
+        self.h = g.h_buf[:t]
+        self.x_ptr, self.qkv_ptr, self.o_ptr = self.x.data_ptr(), self.qkv.data_ptr(), self.o.data_ptr()
+        self.gate_up_ptr, self.act_ptr, self.h_ptr = self.gate_up.data_ptr(), self.act.data_ptr(), self.h.data_ptr()
+
+
+class DecodeGraph:
+    """The model's forward for batches of 1..max_rows tokens over preallocated buffers (module docstring).
+
+    model: a LlamaForCausalLM whose ``ops`` are ``CpuKernelOps``; backend: its attention backend (the
+    runner's ``CompositeAttention``). Buffers: [max_rows, width] in the model's dtype for the normed
+    input, q/k/v, the attention output, the o_proj output, gate|up, the SwiGLU output and the MLP
+    output (~ max_rows * (hidden * 3 + qkv + 3 * intermediate) elements)."""
+
+    def __init__(self, model: LlamaForCausalLM, backend, max_rows: int = MAX_ROWS):
+        cfg = model.cfg
+        self.model = model
+        self.backend = backend
+        self.max_rows = max_rows
+        self.kernels = model.ops.kernels
+        dtype = model.embed_tokens.weight.dtype
+        attn0 = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.q_size, self.kv_size = attn0.q_size, attn0.kv_size
+        hidden = cfg.hidden_size
+        inter = model.layers[0].mlp.down_proj.weight.shape[1]
+
+        def buf(width: int) -> torch.Tensor:
+            return torch.empty(max_rows, width, dtype=dtype)
+
+        self.x_buf, self.qkv_buf = buf(hidden), buf(attn0.qkv_proj.weight.shape[0])
+        self.attn_buf, self.o_buf = buf(self.q_size), buf(hidden)
+        self.gate_up_buf, self.act_buf, self.h_buf = buf(2 * inter), buf(inter), buf(hidden)
+        # per layer: (layer id, input norm weight, qkv, o, post norm weight, gate_up, down)
+        self.layers = [(i, lay.input_layernorm.weight, lay.self_attn.qkv_proj, lay.self_attn.o_proj,
+                        lay.post_attention_layernorm.weight, lay.mlp.gate_up_proj, lay.mlp.down_proj)
+                       for i, lay in enumerate(model.layers)]
+        self.eps = cfg.rms_norm_eps
+        self.hidden, self.inter, self.qkv_width = hidden, inter, self.qkv_buf.shape[1]
+        # the glue kernels' C entry points (ctypes), called with the addresses of the buffers: the
+        # layouts are fixed here, so the wrappers' checks and output allocations are not repeated per call
+        kern = self.kernels
+        self._rms_norm, self._rope, self._silu_mul = kern._rms_norm, kern._rope, kern._silu_mul
+        self._views: dict[int, _Views] = {}
+
+    @classmethod
+    def build(cls, model, backend, max_rows: int = MAX_ROWS) -> Optional["DecodeGraph"]:
+        """A graph for ``model``, or None where it does not apply (another model class, or glue not on
+        the fused CPU kernels)."""
+        if type(model) is not LlamaForCausalLM or not isinstance(model.ops, CpuKernelOps):
+            return None
+        return cls(model, backend, max_rows)
+
+    def can_run(self, num_tokens: int) -> bool:
+        """Whether a batch of ``num_tokens`` new tokens fits the buffers (and no module hook — a
+        forward hook on a decoder layer — expects the module path)."""
+        return 0 < num_tokens <= self.max_rows and not self._hooked()
+
+    def _hooked(self) -> bool:
+        return any(lay._forward_hooks or lay._forward_pre_hooks for lay in self.model.layers)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, out_cache_loc: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """``LlamaForCausalLM.hidden_states`` for T <= max_rows tokens, bitwise: input_ids, positions,
+        out_cache_loc int64 [T]; meta: the backend's plan of this batch; rows int64 [R]. Returns the
+        final-normed hidden states [R, hidden] (a new tensor); writes the batch's K/V into the pool.
+        Raises IndexError for a position past the rope table, as the module path."""
+        t = input_ids.numel()
+        v = self._views.get(t)
+        if v is None:
+            v = self._views[t] = _Views(self, t)
+        model, eps = self.model, self.eps
+        hidden, inter, nqk, d = self.hidden, self.inter, self.num_heads + self.num_kv_heads, self.head_dim
+        qkv_w = self.qkv_width
+        norm, rope, silu_mul = self._rms_norm, self._rope, self._silu_mul
+        attention = self.backend.forward
+        pos, cos, sin = model.ops.rope_state(model.rope, positions, v.x.dtype)  # checks the positions
+        pos_ptr, cos_ptr, sin_ptr = pos.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        residual = model.embed_tokens(input_ids).contiguous()
+        res_ptr = residual.data_ptr()
+        x, x_ptr = v.x, v.x_ptr
+        for i, w_in, qkv_proj, o_proj, w_post, gate_up_proj, down_proj in self.layers:
+            # residual += h (from the second layer on), x = norm(residual): the kernels' fused add + norm
+            if i == 0:
+                norm(res_ptr, hidden, None, hidden, w_in.data_ptr(), x_ptr, hidden, t, hidden, eps)
+            else:
+                norm(v.h_ptr, hidden, res_ptr, hidden, w_in.data_ptr(), x_ptr, hidden, t, hidden, eps)
+            qkv_proj.method.apply_into(qkv_proj, x, v.qkv)
+            rope(v.qkv_ptr, qkv_w, pos_ptr, cos_ptr, sin_ptr, t, nqk, d)
+            o = attention(v.q, v.k, v.v, i, meta, out_cache_loc)
+            o_proj.method.apply_into(o_proj, o.view(t, self.q_size), v.o)
+            norm(v.o_ptr, hidden, res_ptr, hidden, w_post.data_ptr(), x_ptr, hidden, t, hidden, eps)
+            gate_up_proj.method.apply_into(gate_up_proj, x, v.gate_up)
+            silu_mul(v.gate_up_ptr, v.act_ptr, t, inter)
+            down_proj.method.apply_into(down_proj, v.act, v.h)
+        out, _ = model.norm(v.h[rows], residual[rows])
+        return out
