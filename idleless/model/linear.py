@@ -177,6 +177,20 @@ class InvariantLinearMethod(LinearMethod):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return self.kernels.bi_linear(x, layer.bi, layer.weight.shape[0], layer.bias)
 
+    def apply_into(self, layer: "Linear", x: torch.Tensor, out: torch.Tensor) -> None:
+        _bi_linear_into(self.kernels, layer, x, out)
+
+
+def _bi_linear_into(kernels, layer: "Linear", x: torch.Tensor, out: torch.Tensor) -> None:
+    """``bi_linear`` of x [M, K] (the kernels' dtype, contiguous rows) written into out [M, N] (contiguous):
+    the kernel called by address, for the decode graph's buffers whose layout is fixed. Raises
+    MemoryError when the kernel cannot allocate its row buffer."""
+    n = layer.weight.shape[0]
+    bias = layer.bias
+    if not kernels._bi_linear(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), layer.bi.data_ptr(), n,
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0)):
+        raise MemoryError("bi_linear: cannot allocate the row buffer")
+
 
 class SmallBatchLinearMethod(LinearMethod):
     """``cpu_kernels.bi_linear`` on a panel-packed copy of the weight (``layer.bi``, the same bytes
@@ -198,6 +212,12 @@ class SmallBatchLinearMethod(LinearMethod):
         if 0 < x.shape[0] <= self.max_rows:
             return self.kernels.bi_linear(x, layer.bi, layer.weight.shape[0], layer.bias)
         return self.base.apply(layer, x)
+
+    def apply_into(self, layer: "Linear", x: torch.Tensor, out: torch.Tensor) -> None:
+        if 0 < x.shape[0] <= self.max_rows:
+            _bi_linear_into(self.kernels, layer, x, out)
+        else:
+            out.copy_(self.base.apply(layer, x))
 
 
 class TiledLinearMethod(LinearMethod):
