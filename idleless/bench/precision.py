@@ -23,7 +23,8 @@ time (the steadier figure on a shared machine with one thread).
 
 A combination is one item of --combos: ``float`` (the reference: weights in --dtype), ``auto`` (the
 checkpoint's own format: the bundled GGUF's Q4_1 / Q8_0 blocks), ``int8``, ``fp8``, ``int4``, ``w8a8``
-(int8 weights and activations), ``kv=int8`` / ``kv=fp8_e4m3`` /
+(int8 weights and activations), ``w4a8`` (Q4_1 weights, the bundled GGUF's own bits, with activations
+quantised to int8 per block of 32: llama.cpp's arithmetic), ``kv=int8`` / ``kv=fp8_e4m3`` /
 ``kv=fp8_e5m2`` / ``kv=bf16``, or weights with a KV format joined by ``+`` (``int8+kv=fp8_e4m3``).
 """
 
@@ -43,8 +44,8 @@ from idleless.config import EngineConfig
 from idleless.quant.accuracy import compare, forward_range, next_token_logits, text_token_ids
 from idleless.quant.gate import linear_weight_bytes
 
-DEFAULT_COMBOS = "float,auto,int8,fp8,int4,w8a8,kv=int8,kv=fp8_e4m3,kv=fp8_e5m2,int8+kv=fp8_e4m3,w8a8+kv=int8"
-DEFAULT_SPEED_COMBOS = "float,auto,int8,w8a8"
+DEFAULT_COMBOS = "float,auto,int8,fp8,int4,w8a8,w4a8,kv=int8,kv=fp8_e4m3,kv=fp8_e5m2,int8+kv=fp8_e4m3,w8a8+kv=int8"
+DEFAULT_SPEED_COMBOS = "float,auto,int8,w8a8,w4a8"
 
 
 def parse_combo(item: str) -> dict:
@@ -55,6 +56,8 @@ def parse_combo(item: str) -> dict:
             out["kv_cache_dtype"] = piece[3:]
         elif piece == "w8a8":
             out.update(weight_dtype="int8", activation_dtype="int8")
+        elif piece == "w4a8":
+            out.update(weight_dtype="int4", activation_dtype="int8")
         elif piece in ("auto", "int8", "int4", "fp8", "bf16"):
             out["weight_dtype"] = piece
         elif piece != "float":

@@ -1992,3 +1992,235 @@ int lut8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8
 
 DEFINE_LUT8(f32, float)
 DEFINE_LUT8(bf16, uint16_t)
+
+/* ---- GGUF block weights times 8-bit activations (W4A8 on Q4_1, W8A8 on Q8_0): integer dot products ----
+ * llama.cpp's scheme (ggml's Q8_1 activations against Q4_1 / Q8_0 weights), our own code. Each row of x
+ * is quantised per block of 32 input features (a8_quantize): d_x = amax / 127 (float32), codes
+ * q_x = rint(x / d_x) (IEEE division, nearest-even; all zero when amax is 0) and s_x = d_x * float(sum q_x).
+ * A Q4_1 block (step d_w, minimum m_w, codes u 0..15) times an activation block is then
+ *   sum_i (d_w u_i + m_w) d_x q_i = (d_w d_x) sum_i u_i q_i + m_w s_x,
+ * a Q8_0 block (d_w, codes q_w) (d_w d_x) sum_i q_w,i q_i. The integer sums are exact; the float order
+ * is fixed: per block, eight int32 lanes, lane l the sum of the products of features 4l .. 4l + 3 of the
+ * block, each converted (exactly) and fused-multiply-added with d_w * d_x into lane l's float32
+ * accumulator, blocks in order from 0; the lanes summed in hsum8's tree; Q4_1's m_w s_x terms a float32
+ * fused-multiply-add chain over the blocks in order, added after:
+ *   out[r, c] = T(hsum8(acc) [+ minima chain] + bias[c]).
+ * AVX2: the 32 codes of a block in one vector (Q4_1's byte j holds features j and j + 16, so [low nibbles |
+ * high nibbles] is k order), vpmaddubsw (unsigned codes times signed activations, pairs: no int16
+ * overflow, 15 * 127 * 2 and 128 * 127 * 2 < 32767; Q8_0's signed codes through the sign trick
+ * |q_w| * sign(q_x, q_w)), vpmaddwd with ones into the eight lanes; the scalar build computes the same
+ * lanes with fmaf, so both give the same bits. An output's chain never depends on the other rows of the
+ * call nor on the tile that computes it (batch-invariant). Tiles of A8_RR rows x A8_CG columns decode each
+ * weight block once per tile and each activation block once per tile; thread tasks are A8_COLS columns
+ * x A8_ROWS rows, columns outermost (a thread reads its share of the weight once). */
+#define A8_RR 2       /* rows per register tile */
+#define A8_CG 4       /* columns per register tile */
+#define A8_COLS 16    /* output columns per thread task */
+#define A8_ROWS 32    /* rows per thread task */
+#define A8_STACK 16384 /* activation codes and scales up to this many bytes live on the stack */
+#define A8_PAR_MIN_WORK PAR_MIN_WORK /* m * n * k from which threads split the output columns */
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256i a8_codes(int fmt, const uint8_t *wq, int64_t i) { /* block i's 32 codes, k order */
+    if (fmt == GGUF_Q41) {
+        __m128i lo = _mm_loadu_si128((const __m128i *)(wq + 16 * i));
+        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_srli_epi16(lo, 4), 1);
+        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+    }
+    return _mm256_loadu_si256((const __m256i *)(wq + 32 * i));
+}
+/* rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc) */
+static inline __attribute__((always_inline)) void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k,
+                                                          const uint8_t *wq, const uint16_t *wd, int64_t c0,
+                                                          int R, int C, float *res) {
+    int64_t nb = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[A8_RR][A8_CG];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w[A8_CG], wa[A8_CG];
+        float dw[A8_CG];
+        for (int j = 0; j < C; j++) {
+            int64_t i = (c0 + j) * nb + b;
+            w[j] = a8_codes(fmt, wq, i);
+            if (fmt == GGUF_Q80) wa[j] = _mm256_sign_epi8(w[j], w[j]);
+            dw[j] = f16_to_f32(wd[i]);
+        }
+        for (int r = 0; r < R; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * b));
+            float dx = xd[r * nb + b];
+            for (int j = 0; j < C; j++) {
+                __m256i p = fmt == GGUF_Q41 ? _mm256_maddubs_epi16(w[j], xv)
+                                            : _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j]));
+                __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                acc[r][j] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw[j] * dx), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
+}
+#else
+static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
+                           const uint16_t *wd, int64_t c0, int R, int C, float *res) {
+    int64_t nb = k / 32;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            float acc[8] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                int64_t i = (c0 + j) * nb + b;
+                int w[32];
+                for (int e = 0; e < 32; e++)
+                    w[e] = fmt == GGUF_Q41 ? (e < 16 ? wq[16 * i + e] & 0x0f : wq[16 * i + e - 16] >> 4)
+                                           : (int)((const int8_t *)wq)[32 * i + e];
+                const int8_t *x = xq + r * k + 32 * b;
+                float sc = f16_to_f32(wd[i]) * xd[r * nb + b];
+                for (int l = 0; l < 8; l++) {
+                    int32_t s = 0;
+                    for (int e = 4 * l; e < 4 * l + 4; e++) s += w[e] * (int32_t)x[e];
+                    acc[l] = __builtin_fmaf((float)s, sc, acc[l]);
+                }
+            }
+            float h[4];
+            for (int l = 0; l < 4; l++) h[l] = acc[l] + acc[l + 4];
+            res[r * C + j] = (h[0] + h[2]) + (h[1] + h[3]);
+        }
+}
+#endif
+
+#define A8_TILE_R(C)                                                                                       \
+    switch (R) {                                                                                           \
+    case 2: a8_tile(fmt, xq, xd, k, wq, wd, c0, 2, C, res); break;                                         \
+    default: a8_tile(fmt, xq, xd, k, wq, wd, c0, 1, C, res); break;                                        \
+    }
+static void a8_tile_any(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
+                        const uint16_t *wd, int64_t c0, int R, int C, float *res) {
+    if (fmt == GGUF_Q41) {
+        if (C == A8_CG) { A8_TILE_R(A8_CG) } else { A8_TILE_R(1) }
+    } else {
+        fmt = GGUF_Q80;
+        if (C == A8_CG) { A8_TILE_R(A8_CG) } else { A8_TILE_R(1) }
+    }
+}
+
+/* one block of 32: its codes qb, returns its step d_x; *sum: the sum of its codes. AVX2 where the compiler
+ * targets it (the same IEEE division and nearest-even rounding lane by lane), plain C otherwise */
+#if defined(__AVX2__) && defined(__FMA__)
+#define DEFINE_A8_BLOCK(SUF, T)                                                                                \
+static inline float a8_block_##SUF(const T *xb, int8_t *qb, int32_t *sum) {                                    \
+    __m256 v[4], mx = _mm256_setzero_ps();                                                                     \
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));                                    \
+    for (int i = 0; i < 4; i++) {                                                                              \
+        v[i] = v_ld_##SUF(xb + 8 * i);                                                                         \
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absm));                                                     \
+    }                                                                                                          \
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));                           \
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));                                                                    \
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));                                                                \
+    float db = _mm_cvtss_f32(h) / 127.f;                                                                       \
+    __m256 div = _mm256_set1_ps(db != 0.f ? db : 1.f);                                                         \
+    const __m256 lim = _mm256_set1_ps(127.f);                                                                  \
+    __m256i c[4], tot = _mm256_setzero_si256();                                                                \
+    for (int i = 0; i < 4; i++) {                                                                              \
+        __m256 y = _mm256_round_ps(_mm256_div_ps(v[i], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);   \
+        y = _mm256_max_ps(_mm256_min_ps(y, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));                     \
+        c[i] = _mm256_cvtps_epi32(y);                                                                          \
+        tot = _mm256_add_epi32(tot, c[i]);                                                                     \
+    }                                                                                                          \
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));            \
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));                             \
+    _mm256_storeu_si256((__m256i *)qb, p);                                                                     \
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));                  \
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));                                                          \
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));                                                          \
+    *sum = _mm_cvtsi128_si32(t);                                                                               \
+    return db;                                                                                                 \
+}
+#else
+#define DEFINE_A8_BLOCK(SUF, T)                                                                                \
+static inline float a8_block_##SUF(const T *xb, int8_t *qb, int32_t *sum) {                                    \
+    float amax = 0.f;                                                                                          \
+    for (int e = 0; e < 32; e++) {                                                                             \
+        float a = fabsf(LD_##SUF(xb + e));                                                                     \
+        amax = a > amax ? a : amax;                                                                            \
+    }                                                                                                          \
+    float db = amax / 127.f, div = db != 0.f ? db : 1.f;                                                       \
+    int32_t s = 0;                                                                                             \
+    for (int e = 0; e < 32; e++) {                                                                             \
+        float y = rintf(LD_##SUF(xb + e) / div);                                                               \
+        int32_t c = (int32_t)(y > 127.f ? 127.f : (y < -127.f ? -127.f : y));                                  \
+        qb[e] = (int8_t)c;                                                                                     \
+        s += c;                                                                                                \
+    }                                                                                                          \
+    *sum = s;                                                                                                  \
+    return db;                                                                                                 \
+}
+#endif
+
+#define DEFINE_A8(SUF, T)                                                                                      \
+DEFINE_A8_BLOCK(SUF, T)                                                                                        \
+/* x [m, k] (rows ldx apart) -> codes q [m, k], steps d [m, k / 32], d * float(sum of codes) s [m, k / 32] */   \
+void a8_quantize_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d, float *s) {        \
+    int64_t nb = k / 32;                                                                                       \
+    _Pragma("omp parallel for if (m * k >= 8 * PAR_MIN_WORK)")                                                 \
+    for (int64_t r = 0; r < m; r++)                                                                            \
+        for (int64_t b = 0; b < nb; b++) {                                                                     \
+            int32_t sum;                                                                                       \
+            float db = a8_block_##SUF(x + r * ldx + 32 * b, q + r * k + 32 * b, &sum);                         \
+            d[r * nb + b] = db;                                                                                \
+            s[r * nb + b] = db * (float)sum;                                                                   \
+        }                                                                                                      \
+}                                                                                                              \
+static int a8_linear_##SUF(int fmt, const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wq,          \
+                           const uint16_t *wd, const uint16_t *wm, int64_t n, const T *bias, T *out,           \
+                           int64_t ldo) {                                                                      \
+    int64_t nb = k / 32;                                                                                       \
+    size_t qbytes = (size_t)(m * k + 31) / 32 * 32, need = qbytes + 2 * sizeof(float) * (size_t)(m * nb);     \
+    _Alignas(32) char stack[A8_STACK];                                                                         \
+    char *buf = need <= A8_STACK ? stack : (char *)malloc(need);                                               \
+    if (!buf) return 0;                                                                                        \
+    int8_t *xq = (int8_t *)buf;                                                                                \
+    float *xd = (float *)(buf + qbytes), *xs = xd + m * nb;                                                    \
+    a8_quantize_##SUF(x, m, k, ldx, xq, xd, xs);                                                               \
+    int64_t nct = (n + A8_COLS - 1) / A8_COLS, nrt = (m + A8_ROWS - 1) / A8_ROWS;                              \
+    _Pragma("omp parallel for schedule(static) if (m * n * k >= A8_PAR_MIN_WORK)")                             \
+    for (int64_t t = 0; t < nct * nrt; t++) {                                                                  \
+        int64_t c0 = (t / nrt) * A8_COLS, c1 = c0 + A8_COLS < n ? c0 + A8_COLS : n;                            \
+        int64_t r0 = (t % nrt) * A8_ROWS, r1 = r0 + A8_ROWS < m ? r0 + A8_ROWS : m;                            \
+        for (int64_t r = r0; r < r1; r += A8_RR) {                                                             \
+            int R = r1 - r < A8_RR ? (int)(r1 - r) : A8_RR;                                                    \
+            for (int64_t c = c0; c < c1;) {                                                                    \
+                int C = c1 - c >= A8_CG ? A8_CG : 1; /* the last columns one at a time */                      \
+                float res[A8_RR * A8_CG];                                                                      \
+                a8_tile_any(fmt, xq + r * k, xd + r * nb, k, wq, wd, c, R, C, res);                            \
+                for (int i = 0; i < R; i++)                                                                    \
+                    for (int j = 0; j < C; j++) {                                                              \
+                        float v = res[i * C + j];                                                              \
+                        if (wm) { /* Q4_1's minima: m_w s_x, blocks in order */                                \
+                            float sm = 0.f;                                                                    \
+                            for (int64_t b = 0; b < nb; b++)                                                   \
+                                sm = __builtin_fmaf(f16_to_f32(wm[(c + j) * nb + b]), xs[(r + i) * nb + b], sm); \
+                            v += sm;                                                                           \
+                        }                                                                                      \
+                        if (bias) v += LD_##SUF(bias + c + j);                                                 \
+                        ST_##SUF(out + (r + i) * ldo + c + j, v);                                              \
+                    }                                                                                          \
+                c += C;                                                                                        \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    if (buf != stack) free(buf);                                                                               \
+    return 1;                                                                                                  \
+}                                                                                                              \
+int q41_a8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *qs, const uint16_t *d,   \
+                        const uint16_t *mn, int64_t n, const T *bias, T *out, int64_t ldo) {                   \
+    return a8_linear_##SUF(GGUF_Q41, x, m, k, ldx, qs, d, mn, n, bias, out, ldo);                              \
+}                                                                                                              \
+int q80_a8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const uint16_t *d,     \
+                        int64_t n, const T *bias, T *out, int64_t ldo) {                                       \
+    return a8_linear_##SUF(GGUF_Q80, x, m, k, ldx, (const uint8_t *)q, d, NULL, n, bias, out, ldo);            \
+}
+
+DEFINE_A8(f32, float)
+DEFINE_A8(bf16, uint16_t)

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "kv_write": [_P, _P, _I, _P, _I, _I],
     "decode_attn": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
     "merge": [_P, _P, _P, _P, _P, _P, _I, _I, _I],
+    "a8_quantize": [_P, _I, _I, _I, _P, _P, _P],
 }
 # kernels in both dtypes that return int (1 = done, 0 = out of memory): the batch-invariant ones
 _SIGNATURES_INT = {
@@ -67,6 +68,9 @@ _SIGNATURES_INT = {
     "w8a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q80_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "lut8_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
+    # GGUF Q4_1 / Q8_0 weights times activations quantised to int8 per block of 32 (W4A8, llama.cpp's scheme)
+    "q41_a8_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
+    "q80_a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
 }
 # kernels of one version whatever the dtype (float32 outputs)
 _DTYPE_FREE = {"q41_dequant": [_P, _P, _P, _I, _I, _P], "q80_dequant": [_P, _P, _I, _I, _P]}
@@ -598,4 +602,59 @@ class CpuKernels:
         if x.shape[0] and not self._lut8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(), lut.data_ptr(),
                                                 scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("lut8_linear: cannot allocate the row buffer")
+        return out
+
+    # ---- GGUF block weights times int8 activations per block of 32 (W4A8; cpu_kernels.c, same name) ----
+    def a8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The activation quantiser of ``q41_a8_linear`` / ``q80_a8_linear``: x [M, K] in the kernels'
+        dtype (K a multiple of 32, rows may be strided) -> (codes int8 [M, K], steps d float32 [M, K/32],
+        s float32 [M, K/32]) per block of 32 features: d = max|x| / 127, codes rint(x / d) (nearest even;
+        zero where the block is zero), s = d * float(sum of the block's codes) (llama.cpp's Q8_1).
+        Raises ValueError on a layout mismatch."""
+        self._check(x)
+        m, k = x.shape
+        if k % 32 or x.stride(1) != 1:
+            raise ValueError("a8_quantize: x must have contiguous rows of a multiple of 32 features")
+        q = torch.empty(m, k, dtype=torch.int8)
+        d, s = torch.empty(m, k // 32), torch.empty(m, k // 32)
+        if m:
+            self._a8_quantize(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), d.data_ptr(), s.data_ptr())
+        return q, d, s
+
+    def q41_a8_linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """W4A8: y = x W^T (+ bias) for W in GGUF Q4_1 blocks (qs uint8 [N, K/32, 16], d and m float16
+        [N, K/32], contiguous) with x [M, K] (the kernels' dtype, rows may be strided) quantised per block
+        of 32 features as ``a8_quantize``; integer products per block, exact, scaled by d_w * d_x, plus
+        m_w * s_x (llama.cpp's ggml_vec_dot_q4_1_q8_1 arithmetic) -> new [M, N] in the kernels' dtype.
+        Each output is one fixed-order float32 computation for any M (batch-invariant) and the same bits
+        on the AVX2 and the portable build. Raises ValueError on a layout mismatch, MemoryError when
+        the activation buffer cannot be allocated."""
+        n, nb, _ = qs.shape
+        k = x.shape[1]
+        if (qs.dtype != torch.uint8 or qs.shape[2] != 16 or nb * 32 != k or not qs.is_contiguous()
+                or any(t.dtype != torch.float16 or t.shape != (n, nb) or not t.is_contiguous() for t in (d, m))):
+            raise ValueError("q41_a8_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "q41_a8_linear")
+        if x.shape[0] and not self._q41_a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), qs.data_ptr(),
+                                                  d.data_ptr(), m.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("q41_a8_linear: cannot allocate the activation buffer")
+        return out
+
+    def q80_a8_linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = x W^T (+ bias) for W in GGUF Q8_0 blocks (q int8 [N, K/32, 32], d float16 [N, K/32],
+        contiguous) with x [M, K] (the kernels' dtype, rows may be strided) quantised as ``a8_quantize``:
+        exact integer products per block scaled by d_w * d_x (ggml_vec_dot_q8_0_q8_0's arithmetic) -> new
+        [M, N]; batch-invariant, the same bits on every build. Raises ValueError on a layout mismatch,
+        MemoryError when the activation buffer cannot be allocated."""
+        n, nb, _ = q.shape
+        k = x.shape[1]
+        if (q.dtype != torch.int8 or q.shape[2] != 32 or nb * 32 != k or not q.is_contiguous()
+                or d.dtype != torch.float16 or d.shape != (n, nb) or not d.is_contiguous()):
+            raise ValueError("q80_a8_linear: layout mismatch")
+        out = self._quant_rows(x, bias, n, "q80_a8_linear")
+        if x.shape[0] and not self._q80_a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
+                                                  d.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
+            raise MemoryError("q80_a8_linear: cannot allocate the activation buffer")
         return out

@@ -15,7 +15,9 @@ weight updates, ``weights.load_weights``); the quantised copy is what the forwar
 Formats (``formats``): ``Int8LinearMethod`` (per output channel, symmetric), ``Fp8LinearMethod`` (e4m3
 per output channel), ``Q4LinearMethod`` (GGUF Q4_1 or Q4_0 blocks of 32, its output layer in
 ``Q8_0LinearMethod``: GGUF Q8_0 blocks), ``W8A8LinearMethod`` (int8
-weights per channel, activations quantised per token at run time, exact integer sums).
+weights per channel, activations quantised per token at run time, exact integer sums),
+``W4A8LinearMethod`` (Q4_1 blocks times activations quantised per block of 32, llama.cpp's integer
+dot products; its output layer ``Q8_0A8LinearMethod``).
 
 row_tile (deterministic inference): with the C kernels, every batch size runs on them (each output
 element is one float32 sum in a fixed order for any number of rows, so a row's bits do not depend on
@@ -244,18 +246,85 @@ class W8A8LinearMethod(Int8LinearMethod):
         return out
 
 
+def quantize_act_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations to int8 per block of 32 features, as ``cpu_kernels.a8_quantize`` (llama.cpp's Q8_1
+    without its sums): x [M, K] (K a multiple of 32) -> (codes int8 [M, K], d float32 [M, K/32]),
+    d = max|block| / 127 in float32, codes = round(x / d) half to even (zeros for an all-zero block)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127
+    codes = (xb / torch.where(d != 0, d, torch.ones_like(d))[..., None]).round_().clamp_(-127, 127)
+    return codes.to(torch.int8).reshape(x.shape), d
+
+
+class _BlockAct8:
+    """Activations quantised to int8 per block of 32 input features (``quantize_act_blocks``) in front of
+    a GGUF block-weight method (mixed in before it). With the CPU kernels every batch runs on the
+    kernel (integer products, batch-invariant by construction, so also the deterministic mode's path).
+    Without them: the activation codes and the weight tiles dequantised to float32 and multiplied in
+    float32 (``_product``; row tiles when deterministic), which agrees with the kernel up to float32
+    rounding of the products and sums (a relative 1e-5 of the output's terms in the tests)."""
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.shape[0]:
+            return self.kernel_apply(layer, x)
+        return super().apply(layer, x)
+
+    def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
+        codes, d = quantize_act_blocks(x)
+        xh = (codes.float().reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+        n = layer.weight.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for n0 in range(0, n, COL_TILE):
+            n1 = min(n, n0 + COL_TILE)
+            y = F.linear(xh, self.tile(layer, n0, n1, torch.float32)[0])
+            if layer.bias is not None:
+                y += layer.bias[n0:n1].float()
+            out[:, n0:n1] = y
+        return out
+
+
+class Q8_0A8LinearMethod(_BlockAct8, Q8_0LinearMethod):
+    """GGUF Q8_0 weights times int8 activations per block of 32 (``cpu_kernels.q80_a8_linear``: exact
+    integer products per block scaled by d_w * d_x, ggml's q8_0 x q8_0 dot): the output layer of
+    ``W4A8LinearMethod``."""
+
+    def kernel_apply(self, layer, x):
+        return self.kernels.q80_a8_linear(x, layer.quant["q"], layer.quant["d"], layer.bias)
+
+
+class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
+    """W4A8 as llama.cpp runs GGUF Q4_1 files: Q4_1 weights (``Q4LinearMethod``'s blocks, the GGUF file's
+    own bits) times activations quantised at run time to int8 per block of 32 features (d_x =
+    max|x_block| / 127, dynamic); per block (d_w d_x) sum u q_x + m_w s_x with s_x = d_x sum q_x, the
+    integer sums exact (``cpu_kernels.q41_a8_linear``). The output layer in Q8_0 with int8 activations
+    (``Q8_0A8LinearMethod``). Raises ValueError at load for in_features not divisible by 32."""
+
+    def __init__(self, row_tile: Optional[int] = None, kernels=None):
+        super().__init__(row_tile, "q4_1", kernels)
+        self.head_method = Q8_0A8LinearMethod(row_tile, kernels)
+
+    def kernel_apply(self, layer, x):
+        qt = layer.quant
+        return self.kernels.q41_a8_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
+
+
 def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
                             deterministic: bool = False, kernels=None) -> QuantizedLinearMethod:
-    """The method of ``--weight-dtype`` int8 | int4 | fp8 with ``--activation-dtype`` (int8 only with
-    int8 weights: W8A8). deterministic: batch-invariant, on the kernels for every batch where there
-    are kernels, else on row tiles.
+    """The method of ``--weight-dtype`` int8 | int4 | fp8 with ``--activation-dtype`` (int8 with int8
+    weights: W8A8; with int4 weights: W4A8 on Q4_1 blocks). deterministic: batch-invariant, on the
+    kernels for every batch where there are kernels, else on row tiles.
     kernels: a ``cpu_kernels.CpuKernels`` of the model dtype, or None. Raises ValueError for another
-    combination (``spec.check_precision`` refuses them earlier, at configuration)."""
+    combination (``spec.check_precision`` refuses them earlier, at configuration; ``auto`` weights are
+    checked here, once the checkpoint's own format is known)."""
     tile = DETERMINISTIC_ROW_TILE if deterministic else None
     if activation_dtype == "int8":
-        if weight_dtype != "int8":
-            raise ValueError(f"int8 activations need int8 weights, got weight dtype {weight_dtype!r}")
-        return W8A8LinearMethod(kernels)
+        if weight_dtype == "int8":
+            return W8A8LinearMethod(kernels)
+        if weight_dtype == "int4":
+            return W4A8LinearMethod(tile, kernels)
+        raise ValueError(f"int8 activations need int8 weights (W8A8) or int4 / GGUF Q4_1 weights (W4A8), got "
+                         f"weight dtype {weight_dtype!r} (with --weight-dtype auto: the checkpoint's own format, "
+                         f"which is int4 only for a GGUF file of Q4_1 linears)")
     methods = {"int8": Int8LinearMethod, "fp8": Fp8LinearMethod, "int4": Q4LinearMethod}
     if weight_dtype not in methods:
         raise ValueError(f"no quantised linear method for weight dtype {weight_dtype!r} "
