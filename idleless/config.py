@@ -81,7 +81,7 @@ class EngineConfig:
                                           "packed weights kept by default (faster linears, weights x2-3 RAM)")
     disable_cpu_kernels: bool = option(False, "CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, "
                                        "decode attention)")
-    disable_decode_graph: bool = option(False, "run batches of up to 16 tokens through the model's modules "
+    disable_decode_graph: bool = option(False, "run batches of up to 64 tokens through the model's modules "
                                         "instead of the decode graph (the same calls over preallocated buffers; "
                                         "SGLang's --disable-cuda-graph, vLLM's --enforce-eager)")
     enable_deterministic_inference: bool = option(False, "batch-invariant kernels: a position's logits depend on "

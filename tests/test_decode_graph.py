@@ -37,29 +37,30 @@ def _runner(path, **kw) -> ModelRunner:
 
 
 def _batches(pool):
-    """(name, ForwardBatch) pairs: prefixes written by a first extend, then the small batches."""
+    """(name, ForwardBatch) pairs: the prefixes written by a first extend (longer than the graph's
+    rows), then the small batches."""
     g = torch.Generator().manual_seed(4)
     ids = lambda n: torch.randint(3, 256, (n,), generator=g)
+    p2, n = 48, MAX_ROWS  # request 2's prompt; the extend's tokens
     shared = pool.alloc(0, 0, 24)  # a 24-token prefix held by requests 0 and 1 (a cascade segment)
-    own = [pool.alloc(0, 0, 8), pool.alloc(0, 0, 8), pool.alloc(0, 0, 32 + MAX_ROWS)]
+    own = [pool.alloc(0, 0, 8), pool.alloc(0, 0, 8), pool.alloc(0, 0, p2 + 2 + n)]
     tables = [torch.cat([shared, own[0]]), torch.cat([shared, own[1]]), own[2]]
-    prefill = ForwardBatch(ids(24 + 30), torch.cat([torch.arange(24), torch.arange(30)]),
-                           torch.cat([shared, own[2][:30]]), [24, 30], [0, 0], [shared, own[2][:30]],
-                           torch.tensor([23, 53]))
+    prefill = ForwardBatch(ids(24 + p2), torch.cat([torch.arange(24), torch.arange(p2)]),
+                           torch.cat([shared, own[2][:p2]]), [24, p2], [0, 0], [shared, own[2][:p2]],
+                           torch.tensor([23, 24 + p2 - 1]))
     out = [("prefill", prefill)]
-    # one decode row each: request 0 at 24, 1 at 24, 2 at 30 (0 and 1 share their 24-token prefix)
-    out.append(("decode x3", ForwardBatch(ids(3), torch.tensor([24, 24, 30]),
-                                          torch.stack([tables[0][24], tables[1][24], tables[2][30]]),
-                                          [1, 1, 1], [24, 24, 30],
-                                          [tables[0][:25], tables[1][:25], tables[2][:31]], torch.arange(3))))
+    # one decode row each: request 0 at 24, 1 at 24, 2 at p2 (0 and 1 share their 24-token prefix)
+    out.append(("decode x3", ForwardBatch(ids(3), torch.tensor([24, 24, p2]),
+                                          torch.stack([tables[0][24], tables[1][24], tables[2][p2]]),
+                                          [1, 1, 1], [24, 24, p2],
+                                          [tables[0][:25], tables[1][:25], tables[2][:p2 + 1]], torch.arange(3))))
     # a 4-token tail (a verify) beside a decode row, sampling every row of the tail
-    out.append(("verify", ForwardBatch(ids(5), torch.tensor([25, 26, 27, 28, 31]),
-                                       torch.cat([tables[0][25:29], tables[2][31:32]]), [4, 1], [25, 31],
-                                       [tables[0][:29], tables[2][:32]], torch.arange(5))))
+    out.append(("verify", ForwardBatch(ids(5), torch.tensor([25, 26, 27, 28, p2 + 1]),
+                                       torch.cat([tables[0][25:29], tables[2][p2 + 1:p2 + 2]]), [4, 1], [25, p2 + 1],
+                                       [tables[0][:29], tables[2][:p2 + 2]], torch.arange(5))))
     # exactly MAX_ROWS tokens: a short extend of request 2
-    n = MAX_ROWS
-    out.append(("extend", ForwardBatch(ids(n), torch.arange(32, 32 + n), tables[2][32:32 + n], [n], [32],
-                                       [tables[2][:32 + n]], torch.tensor([0, n - 1]))))
+    out.append(("extend", ForwardBatch(ids(n), torch.arange(p2 + 2, p2 + 2 + n), tables[2][p2 + 2:p2 + 2 + n], [n],
+                                       [p2 + 2], [tables[2][:p2 + 2 + n]], torch.tensor([0, n - 1]))))
     return out
 
 
@@ -88,7 +89,7 @@ def test_runner_routes_small_batches_to_the_graph(model_path, monkeypatch):
     monkeypatch.setattr(runner.model, "hidden_states", lambda *a, **k: calls.append(a[0].numel()) or real(*a, **k))
     for _, b in batches:
         runner.forward(b)
-    assert calls == [54]  # only the 54-token prefill went through the modules
+    assert calls == [72]  # only the 72-token prefill went through the modules
     assert not runner.decode_graph.can_run(MAX_ROWS + 1) and not runner.decode_graph.can_run(0)
 
 

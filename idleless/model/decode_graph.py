@@ -29,7 +29,7 @@ from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import CpuKernelOps
 
 #: most tokens in a batch the graph runs (its buffers hold this many rows)
-MAX_ROWS = 16
+MAX_ROWS = 64
 
 
 class _Views:
