@@ -237,6 +237,7 @@ def test_int4_self_draft_greedy_equal_to_plain_decoding(q4_target):
                                   speculative_num_draft_tokens=3, speculative_disable_adaptive=True))
     draft = core.proposer.inner
     assert draft.runner.weight_dtype == "int4" and core.runner.weight_dtype == "bf16"
+    assert draft.runner.config.activation_dtype == "int8"  # an int4 draft runs W4A8, as llama.cpp runs Q4_1
     # the cost hint is the ratio of weight bytes a forward reads, by hand: per layer 36,864 linear
     # weights (qkv 128x64, o 64x64, gate_up 256x64, down 64x128) in Q4_1 blocks (20 bytes per 32),
     # the lm_head 256x64 in Q8_0 blocks (34 bytes per 32), embedding and norms float32 in both

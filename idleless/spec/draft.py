@@ -82,6 +82,10 @@ class DraftSeq:
         return self.cache_handle.cached_len if self.cache_handle is not None else 0
 
 
+#: a draft's activation dtype per draft weight dtype (the rest: the model dtype)
+DRAFT_ACTIVATION_DTYPE = {"int4": "int8"}
+
+
 class DraftModelProposer(Proposer):
     """Guesses with the draft model ``config.speculative_draft_model_path`` (see the module docstring),
     or without one, with the target model itself at ``config.speculative_draft_weight_dtype`` (a
@@ -90,7 +94,7 @@ class DraftModelProposer(Proposer):
     ``target_runner``: the target's ModelRunner (``model_config.vocab_size``, ``context_length``,
     ``weight_dtype``). The draft runner is built from ``config`` with the draft's path (the target's
     ``config.model`` for a self-draft), ``speculative_draft_kv_cache_memory`` and, when given, the
-    draft weight dtype (activations bf16). Raises ValueError when neither a draft path nor a draft
+    draft weight dtype (activations int8 per block for int4, W4A8; else bf16). Raises ValueError when neither a draft path nor a draft
     weight dtype is set, the path does not exist, the draft's vocab_size differs from the target's,
     or a self-draft's weight dtype is the target's own (``check_self_draft``); ValueError from the
     loader for a draft it cannot load."""
@@ -115,7 +119,10 @@ class DraftModelProposer(Proposer):
         else:
             draft_dir = config.model
             check_self_draft(weight_dtype, getattr(target_runner, "weight_dtype", None))
-        precision = {} if weight_dtype is None else {"weight_dtype": weight_dtype, "activation_dtype": "bf16"}
+        # int4 drafts run as llama.cpp runs 4-bit files, activations in int8 per block (W4A8, integer dot
+        # products): a draft step then costs a fraction of a target step; int8 / fp8 drafts keep float activations
+        precision = {} if weight_dtype is None else {
+            "weight_dtype": weight_dtype, "activation_dtype": DRAFT_ACTIVATION_DTYPE.get(weight_dtype, "bf16")}
         self.config = config
         # the draft runner's config: no speculation of its own (the speculative_* fields at their defaults,
         # so it logs no "set without --speculative-algorithm" warning)
