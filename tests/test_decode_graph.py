@@ -17,6 +17,8 @@ CONFIGS = {
     "bfloat16": {"dtype": "bfloat16"},
     "deterministic": {"enable_deterministic_inference": True},
     "int4": {"weight_dtype": "int4"},
+    "int4-deterministic": {"weight_dtype": "int4", "enable_deterministic_inference": True},
+    "w4a8": {"weight_dtype": "int4", "activation_dtype": "int8"},
     "int8": {"weight_dtype": "int8"},
     "w8a8": {"weight_dtype": "int8", "activation_dtype": "int8"},
     "fp8": {"weight_dtype": "fp8"},

@@ -85,11 +85,23 @@ class QuantizedLinearMethod(LinearMethod):
         layer.quant = self.quantize(layer.weight.detach())
         return _nbytes(*layer.quant.values())
 
+    def on_kernel(self, m: int) -> bool:
+        """Whether a batch of m rows runs on the C kernel (when the method has one): deterministic, any
+        M (a row's bits then never depend on the batch); else up to kernel_rows, larger batches being
+        faster dequantised tile by tile into the GEMM library."""
+        return self.kernels is not None and 0 < m and (self.row_tile is not None or m <= self.kernel_rows)
+
+    def kernel_into(self, layer, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """The C kernel's product of x [M, K] written into out [M, N] (contiguous, the kernels' dtype),
+        called by address (``apply_into``); False where the method has no such call."""
+        return False
+
+    def apply_into(self, layer, x: torch.Tensor, out: torch.Tensor) -> None:
+        if not (self.on_kernel(x.shape[0]) and self.kernel_into(layer, x, out)):
+            out.copy_(self.apply(layer, x))
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        # deterministic: the kernel for any M (a row's bits then never depend on the batch); else up to
-        # kernel_rows, larger batches are faster dequantised tile by tile into the GEMM library
-        if self.kernels is not None and 0 < x.shape[0] and (self.row_tile is not None
-                                                            or x.shape[0] <= self.kernel_rows):
+        if self.on_kernel(x.shape[0]):
             y = self.kernel_apply(layer, x)
             if y is not None:
                 return y
@@ -192,6 +204,9 @@ class Q4LinearMethod(QuantizedLinearMethod):
         qt = layer.quant
         return self.kernels.q41_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
 
+    def kernel_into(self, layer, x, out):
+        return self.layout == "q4_1" and _gguf_into(self.kernels._q41_linear, layer, x, out)
+
     def quantize(self, weight):
         if self.layout == "q4_1":
             qs, d, m = quantize_q4_1(weight)
@@ -264,10 +279,8 @@ class _BlockAct8:
     float32 (``_product``; row tiles when deterministic), which agrees with the kernel up to float32
     rounding of the products and sums (a relative 1e-5 of the output's terms in the tests)."""
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.shape[0]:
-            return self.kernel_apply(layer, x)
-        return super().apply(layer, x)
+    def on_kernel(self, m: int) -> bool:
+        return self.kernels is not None and m > 0
 
     def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
         codes, d = quantize_act_blocks(x)
@@ -306,6 +319,22 @@ class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
     def kernel_apply(self, layer, x):
         qt = layer.quant
         return self.kernels.q41_a8_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
+
+    def kernel_into(self, layer, x, out):
+        return _gguf_into(self.kernels._q41_a8_linear, layer, x, out)
+
+
+def _gguf_into(fn, layer, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """A Q4_1 kernel entry point (``q41_linear`` / ``q41_a8_linear``: the ctypes function) on x [M, K]
+    (contiguous rows) written into out [M, N]: the layer's blocks passed by address, no checks or
+    output tensor (the decode graph's buffers have a fixed layout). Raises MemoryError when the
+    kernel cannot allocate its buffers; returns True."""
+    qt, bias = layer.quant, layer.bias
+    n, nb, _ = qt["qs"].shape
+    if not fn(x.data_ptr(), x.shape[0], nb * 32, x.stride(0), qt["qs"].data_ptr(), qt["d"].data_ptr(),
+              qt["m"].data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0)):
+        raise MemoryError("Q4_1 linear: cannot allocate the kernel's buffers")
+    return True
 
 
 def quantized_linear_method(weight_dtype: str, activation_dtype: str = "bf16",
