@@ -204,3 +204,36 @@ def test_a_pull_after_prefill_finished_gets_the_whole_prompt_in_one_message(mode
     _idle_and_clean(prefill)
     decode.kv_connector.close()
     prefill.kv_connector.close()
+
+
+def test_a_pull_arriving_mid_step_gets_the_layers_written_so_far_then_the_rest_one_by_one(tmp_path):
+    """The prompt is one step (one chunk) and the pull reaches P during it, after P's layer 1: P
+    joins the stream there, sending layers 0-1 in one message and layers 2 and 3 as they finish."""
+    deep = make_tiny_model(tmp_path, num_hidden_layers=4)
+    c = _core(deep)
+    ref = _tokens(_run([c], [(c, [Request("c", PROMPT, _params())])]), "c")
+    prefill = _core(deep, disaggregation_mode="prefill", disaggregation_bootstrap_port=0)
+    decode = _core(deep, disaggregation_mode="decode")
+    p_req, d_req = _legs(prefill, "t8", PROMPT, "d8")
+    prefill.add_request(p_req)
+    inbox = prefill.kv_connector._layerwise_in
+
+    def pull_has_arrived(module, args):  # D's request (and pull) come while P's layer 1 is next
+        decode.add_request(d_req)
+        deadline = time.monotonic() + 10
+        while inbox.empty():
+            assert time.monotonic() < deadline, "the pull did not reach P"
+            time.sleep(0.001)
+    pre = prefill.runner.model.layers[1].register_forward_pre_hook(pull_has_arrived)
+    try:
+        prefill.step()  # the whole prompt: the pull joins after layer 1
+    finally:
+        pre.remove()
+    got = _run([prefill, decode], [])
+    assert _tokens(got, "d8") == ref
+    st = decode.kv_connector.stats()
+    assert st["num_layer_messages"] == 3 and st["num_transfers"] == 1 and st["num_fallbacks"] == 0
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+    prefill.kv_connector.close()

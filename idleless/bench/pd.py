@@ -13,6 +13,9 @@ and the KV bytes the decode server pulled with two rates next to a loopback copy
 the decode server sees it (pull sent -> KV in its pool) and the prefill server's transfer thread's
 copy and send alone. Servers are stopped between setups; the prefix caches are flushed before every run.
 
+``--setups colocated,pd,pd-layerwise`` adds (c), the setup (b) with the router's ``--pd-layerwise``:
+both legs start at once and the KV travels layer by layer while the prefill server computes it.
+
 Extra server flags go in ``--server-args`` (e.g. ``"--dtype float32"``). Every figure names the CPU.
 """
 
@@ -164,7 +167,10 @@ def transfer_summary(d0: dict, d1: dict, p0: dict, p1: dict) -> dict:
     return {"kv_bytes": b, "kv_transfer_s": round(s, 4), "kv_gb_per_s": round(b / s / 1e9, 3) if s else None,
             "kv_send_s": round(ps, 4), "kv_send_gb_per_s": round(pb / ps / 1e9, 3) if ps else None,
             "kv_send_wait_s": round(p1.get("wait_seconds", 0.0) - p0.get("wait_seconds", 0.0), 4),
-            "kv_fallbacks": d1.get("num_fallbacks", 0) - d0.get("num_fallbacks", 0)}
+            "kv_fallbacks": d1.get("num_fallbacks", 0) - d0.get("num_fallbacks", 0),
+            "kv_pulls": d1.get("num_pulls", 0) - d0.get("num_pulls", 0),
+            "kv_layerwise_pulls": d1.get("num_layerwise", 0) - d0.get("num_layerwise", 0),
+            "kv_layer_messages": d1.get("num_layer_messages", 0) - d0.get("num_layer_messages", 0)}
 
 
 def _row(setup: str, rate: float, result: dict, extra: Optional[dict] = None) -> dict:
@@ -203,7 +209,8 @@ def run_setup(args, setup: str, log_dir: Path) -> list[dict]:
             wait_healthy(f"http://127.0.0.1:{pp}", procs, args.start_timeout)
             wait_healthy(f"http://127.0.0.1:{dp}", procs, args.start_timeout)
             procs.start("router", ["router", "--port", str(rp), "--pd-disaggregation",
-                                   "--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}"])
+                                   "--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}",
+                                   *(["--pd-layerwise"] if setup == "pd-layerwise" else [])])
             url, decode_url = f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{dp}"
             wait_healthy(url, procs, 60)
         for rate in args.rates:
@@ -235,7 +242,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="ttft:4000,tpot:400", help="goodput bounds in ms (serving's --slo)")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 2,
                    help="threads of the colocated server; PD gives each of its two servers half")
-    p.add_argument("--setups", default="colocated,pd", help="which setups, in order")
+    p.add_argument("--setups", default="colocated,pd", help="which setups, in order: colocated, pd, pd-layerwise")
     p.add_argument("--server-args", default=None, help="extra flags for every server, one string")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -251,8 +258,8 @@ def main(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for setup in [s.strip() for s in args.setups.split(",") if s.strip()]:
-        if setup not in ("colocated", "pd"):
-            print(f"error: unknown setup {setup!r} (colocated, pd)", file=sys.stderr)
+        if setup not in ("colocated", "pd", "pd-layerwise"):
+            print(f"error: unknown setup {setup!r} (colocated, pd, pd-layerwise)", file=sys.stderr)
             return 2
         rows += run_setup(args, setup, log_dir)
     result = {"benchmark": "pd", "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

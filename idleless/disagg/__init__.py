@@ -5,9 +5,12 @@ gets a request with ``kv_transfer_params`` (vLLM's field: ``{"do_remote_prefill"
 "remote_host", "remote_port"}``) pulls the KV of the prompt's tokens it does not already hold from P,
 writes it into its own pool, inserts it into its own radix tree and only then queues the request,
 which the scheduler admits with that prefix as a cache hit (the last prompt token is recomputed for
-its logits, as for any cache hit). So the scheduler and the model runner never learn about
-disaggregation: the connector works between steps, at the engine core (DESIGN.md section 7), and a
-transfer that fails ends in recomputation (``--pd-fallback recompute``) or an error, never a wait.
+its logits, as for any cache hit). So the scheduler never learns about disaggregation: the connector
+works between steps, at the engine core (DESIGN.md section 7), and a transfer that fails ends in
+recomputation (``--pd-fallback recompute``) or an error, never a wait. With the router's
+``--pd-layerwise`` both engines start at once and the prefill engine sends each layer's KV as its
+forward writes it (``layerwise``: a step observer and forward hooks on the runner's decoder layers,
+the runner side of DESIGN.md's connector).
 
 Papers: DistServe (Zhong et al., OSDI 2024), Splitwise (Patel et al., ISCA 2024), Mooncake (Qin et al.,
 FAST 2025); the pull with a skip (D names the prefix it holds, P sends only the rest) is ours.

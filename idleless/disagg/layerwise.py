@@ -20,8 +20,13 @@ step's slots can be freed or written again.
 The stream of a request covers token positions ``[skip, want)`` (the decode engine holds
 ``[0, skip)``). Tokens whose KV already existed when the stream started (the prefill engine's own
 cache hit, chunks computed before the pull arrived) go out first, all layers in one message; a
-preempted request that recomputes tokens already sent sends them again to nobody (``sent`` only
+preempted request that recomputes tokens already sent does not send them again (``sent`` only
 grows), so every (layer, token) is sent exactly once, in token order per layer.
+
+A pull may arrive while the step that computes its prompt runs (a prompt in one chunk is one long
+step): ``take_new``, the connector's intake of layer-wise pulls, is called before the forward and
+after every layer, and a stream that starts mid-step sends the layers this step has already written
+at once and the rest as they come.
 """
 
 from __future__ import annotations
@@ -67,16 +72,18 @@ SendFn = Callable[[Stream, int, int, int, list], None]
 
 class LayerStreamer:
     """The prefill engine's layer-wise sender over ``pool`` (a ``KVPool``): ``send`` hands each
-    message's tensors to the transfer thread. ``streams``: rid -> Stream. ``layers_sent_in_step``
-    counts the messages the layer hooks sent (the rest went out from ``flush``)."""
+    message's tensors to the transfer thread; ``take_new`` (step thread) starts the streams of the
+    pulls that have arrived. ``streams``: rid -> Stream."""
 
-    def __init__(self, pool, send: SendFn):
+    def __init__(self, pool, send: SendFn, take_new: Callable[[], None] = lambda: None):
         self.pool = pool
         self.send = send
+        self.take_new = take_new  # starts the streams of pulls that arrived (may call ``start``)
         self.num_layers = int(pool.k_cache.shape[0])
         self.streams: dict[str, Stream] = {}
         self._active: list[_Active] = []
-        self.layers_sent_in_step = 0
+        self._plan: dict = {}  # rid -> ScheduledRequest of the step under way ({} between steps)
+        self._layers_done = 0  # layers of the step under way that have written their K/V
 
     def attach(self, runner) -> None:
         """Observe ``runner``'s steps and, when it has a module tree, each decoder layer's end."""
@@ -87,12 +94,19 @@ class LayerStreamer:
 
     def _layer_hook(self, i: int):
         def hook(module, args, output):
-            if self._active:
-                self._layer_done(i)
+            if self._plan:
+                self._layers_done = i + 1
+                self.take_new()
+                if self._active:
+                    self._layer_done(i)
         return hook
 
     def start(self, stream: Stream) -> None:
+        """Stream ``stream.rid`` from now on (mid-step: what this step has written goes out at once)."""
         self.streams[stream.rid] = stream
+        r = self._plan.get(stream.rid)
+        if r is not None:
+            self._join(stream, r)
 
     def drop(self, rid: str) -> Optional[Stream]:
         self._active = [a for a in self._active if a.stream.rid != rid]
@@ -102,26 +116,38 @@ class LayerStreamer:
         """Before the forward of ``plan`` (a StepPlan): send what streamed requests had before this
         step (all layers), and note the positions this step writes for the layer hooks."""
         self._flush_active()
-        if not self.streams:
+        self._plan = {r.rid: r for r in plan.requests}
+        self._layers_done = 0
+        self.take_new()
+        for rid, s in self.streams.items():
+            r = self._plan.get(rid)
+            if r is not None and not any(a.stream is s for a in self._active):
+                self._join(s, r)
+
+    def _join(self, s: Stream, r) -> None:
+        """Take ``s`` into the step under way, whose entry for it is ``r`` (a ScheduledRequest)."""
+        if s.done:
             return
-        for r in plan.requests:
-            s = self.streams.get(r.rid)
-            if s is None or s.done:
-                continue
-            before = min(r.start, s.want)
-            if before > s.sent:
-                self._send_slots(s, s.sent, r.slot_table[s.sent:before], 0, self.num_layers)
-                s.sent = before
-            lo, hi = max(r.start, s.sent), min(r.start + r.num_tokens, s.want)
-            if hi > lo:
-                self._active.append(_Active(s, lo, hi, r.slot_table[lo:hi]))
+        before = min(r.start, s.want)
+        if before > s.sent:
+            self._send_slots(s, s.sent, r.slot_table[s.sent:before], 0, self.num_layers)
+            s.sent = before
+        lo, hi = max(r.start, s.sent), min(r.start + r.num_tokens, s.want)
+        if hi <= lo:
+            return
+        a = _Active(s, lo, hi, r.slot_table[lo:hi], self._layers_done)
+        if a.next_layer:  # joined mid-step: the layers written so far, at once
+            self._send_slots(s, lo, a.slots, 0, a.next_layer)
+        if a.next_layer == self.num_layers:
+            s.sent = hi
+        else:
+            self._active.append(a)
 
     def _layer_done(self, i: int) -> None:
         for a in self._active:
             if a.next_layer == i:
                 self._send_slots(a.stream, a.lo, a.slots, i, 1)
                 a.next_layer = i + 1
-                self.layers_sent_in_step += 1
                 if a.next_layer == self.num_layers:
                     a.stream.sent = a.hi
         self._active = [a for a in self._active if a.next_layer < self.num_layers]
@@ -136,6 +162,7 @@ class LayerStreamer:
             self._send_slots(a.stream, a.lo, a.slots, a.next_layer, self.num_layers - a.next_layer)
             a.stream.sent = a.hi
         self._active = []
+        self._plan = {}
 
     def _send_slots(self, s: Stream, start: int, slots: torch.Tensor, first: int, count: int) -> None:
         pool, end = self.pool, first + count

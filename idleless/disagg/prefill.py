@@ -166,7 +166,8 @@ class PrefillConnector(KVConnector):
         self.timeout_s = float(timeout_s)
         self._by_tid: dict[str, str] = {}  # transfer_id -> rid of a timed request not finished (step thread)
         self._parked: dict[str, tuple] = {}  # transfer_id -> (ident, head, monotonic expiry): layer-wise pulls
-        self.streamer = LayerStreamer(self.pool, self._send_layers)
+        self._layerwise_in: queue.SimpleQueue = queue.SimpleQueue()  # (ident, head, t_recv): layer-wise pulls
+        self.streamer = LayerStreamer(self.pool, self._send_layers, self._take_layerwise)
         self.streamer.attach(core.runner)
         self._thread = threading.Thread(target=self._run, name="idleless-kv-transfer", daemon=True)
         self._thread.start()
@@ -217,6 +218,7 @@ class PrefillConnector(KVConnector):
                 self._wake_rx.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+        self._take_layerwise()
         items = []  # what is there now; what comes while these are handled waits for the next call
         while True:
             try:
@@ -275,6 +277,21 @@ class PrefillConnector(KVConnector):
         self._reserved[tid] = now + RESERVE_S
         self._to_thread.put(_Reservation(tid, list(ids), handle, parts))
         _signal(self._jobs_tx)
+
+    def _take_layerwise(self) -> None:
+        """Start streaming the layer-wise pulls that arrived whose request runs here; hand the rest
+        to ``poll`` (park or whole-prompt path). Step thread: between steps, before the forward and
+        after every layer (``LayerStreamer``), so a pull that arrives mid-step is not kept waiting."""
+        while True:
+            try:
+                ident, head, t_recv = self._layerwise_in.get_nowait()
+            except queue.Empty:
+                return
+            rid = self._by_tid.get(head["transfer_id"])
+            if rid is not None:
+                self._stream(rid, ident, head)
+            else:
+                self._to_step.put(("pull", ident, head, t_recv))
 
     def _stream_or_park(self, ident: bytes, head: dict, tid: str) -> bool:
         """A layer-wise pull: stream it (its request runs here), park it (its request has not come
@@ -429,7 +446,10 @@ class PrefillConnector(KVConnector):
                 self._send(_Job(ident, header, slots, res.handle, t_recv, tid, hold_s))
                 return
             self._hand_back(res)  # other tokens under this id: the step thread matches them
-        self._to_step.put(("pull", ident, head, t_recv))
+        if head.get("layerwise") is True and isinstance(tid, str):
+            self._layerwise_in.put((ident, head, t_recv))
+        else:
+            self._to_step.put(("pull", ident, head, t_recv))
         _signal(self._wake_tx)
 
     def _release(self, raw: bytes) -> None:

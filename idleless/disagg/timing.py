@@ -14,6 +14,9 @@ clock (no clock is compared across machines):
 The prefill engine's two parts travel to the decode engine in the KV reply's header (``wire``), keyed
 by the router's ``transfer_id``; the decode engine keeps the four per request (``SplitStats``). The
 parts are disjoint intervals of the request's life, so their sum is at most the TTFT a client sees.
+A layer-wise transfer (``layerwise``) overlaps the prefill: its ``transfer`` part runs from the pull
+to the last layer written, so it includes the prefill, and its ``queue`` and ``prefill`` parts are
+not reported (the prefill engine sends them with no message).
 """
 
 from __future__ import annotations

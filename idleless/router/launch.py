@@ -69,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="how a decode engine is picked (default power_of_two: by load)")
     g.add_argument("--prefill-timeout-secs", type=float, default=60.0,
                    help="seconds the prefill leg may take before the decode engine prefills itself")
+    g.add_argument("--pd-layerwise", action="store_true",
+                   help="start both legs at once: the decode engine receives the KV layer by layer while the "
+                        "prefill engine computes it (default: after the prefill leg's answer, in one message)")
     p.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 

@@ -19,6 +19,14 @@ Every failure ends: a prefill leg that fails (refused, 5xx, no answer within
 ``kv_transfer_params`` (the decode engine prefills it itself) and is counted; the decode leg retries
 workers it never started on and ends a broken stream with an error event, as the plain router does.
 No pair is remembered as failed: the next request picks afresh.
+
+With ``--pd-layerwise`` the router does not wait for the prefill leg: it sends both legs at once, the
+decode leg's ``kv_transfer_params`` naming the prefill engine's transfer address (read once per
+prefill engine from its ``/server_info``) with ``"layerwise": true``, and the decode engine receives
+the KV layer by layer while the prefill engine computes it (``idleless.disagg.layerwise``). A
+prefill leg that fails then ends the decode engine's pull with an error reply or its
+``--disaggregation-timeout``, after which it recomputes (``--pd-fallback``); a prefill engine whose
+address cannot be read gets the sequential legs above.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
 from idleless.disagg import timing
+from idleless.disagg.http import WILDCARD_HOSTS
 from idleless.router.app import Router, _error, proxy_app, read_json_object
 from idleless.router.metrics import render_metrics
 
@@ -83,10 +92,13 @@ class PDRouter:
     (no healthy prefill worker). ``registry``: the router's own histograms, ``splits``: the decode
     engines' (module docstring)."""
 
-    def __init__(self, prefill: Router, decode: Router, prefill_timeout_s: float = 60.0):
+    def __init__(self, prefill: Router, decode: Router, prefill_timeout_s: float = 60.0, layerwise: bool = False):
         self.prefill = prefill
         self.decode = decode
         self.prefill_timeout_s = prefill_timeout_s
+        self.layerwise = layerwise
+        self._bootstrap: dict[str, tuple[str, int]] = {}  # prefill URL -> its transfer host and port
+        self._legs: set[asyncio.Task] = set()  # prefill legs running beside their decode legs
         self.counters = {"prefill_ok": 0, "prefill_failed": 0, "prefill_skipped": 0}
         self.registry = CollectorRegistry()
         self.prefill_leg = Histogram("idleless_router_pd_prefill_leg_seconds", "from sending the prefill leg to "
@@ -103,7 +115,7 @@ class PDRouter:
         if body is None:
             return _error(400, "the body is not a JSON object", "invalid_json", "invalid_request_error")
         headers = self.decode._headers(request)
-        params = await self._prefill_leg(body, headers, path)
+        params = await (self._start_prefill_leg if self.layerwise else self._prefill_leg)(body, headers, path)
         if params is not None:
             body = {**body, "kv_transfer_params": params}
             raw = json.dumps(body).encode()
@@ -125,9 +137,8 @@ class PDRouter:
                 self.splits.snapshots[w.url] = split
         await asyncio.gather(*(one(w) for w in self.decode.pool.healthy()))
 
-    async def _prefill_leg(self, body: dict, headers: dict, path: str) -> Optional[dict]:
-        """Run the prefill leg; the decode engine's ``kv_transfer_params``, or None (it recomputes)."""
-        pbody = prefill_body(body, uuid.uuid4().hex)
+    async def _pick_prefill(self, pbody: dict):
+        """The prefill worker for ``pbody`` (by ``--policy``), begun; None when none is healthy."""
         candidates = self.prefill.pool.healthy()
         if not candidates:
             self.counters["prefill_skipped"] += 1
@@ -136,6 +147,55 @@ class PDRouter:
         w, cached = self.prefill.policy.select(candidates, inp)
         key = next(self.prefill._keys)
         w.begin(key, inp.tokens, cached)
+        return w, key
+
+    async def _prefill_leg(self, body: dict, headers: dict, path: str) -> Optional[dict]:
+        """Run the prefill leg; the decode engine's ``kv_transfer_params``, or None (it recomputes)."""
+        pbody = prefill_body(body, uuid.uuid4().hex)
+        picked = await self._pick_prefill(pbody)
+        if picked is None:
+            return None
+        return await self._run_prefill_leg(*picked, pbody, headers, path)
+
+    async def _start_prefill_leg(self, body: dict, headers: dict, path: str) -> Optional[dict]:
+        """``--pd-layerwise``: start the prefill leg and return the decode engine's layer-wise
+        ``kv_transfer_params`` at once (the sequential legs when the prefill engine's transfer address
+        cannot be read; None when no prefill worker is healthy)."""
+        tid = uuid.uuid4().hex
+        pbody = prefill_body(body, tid)
+        picked = await self._pick_prefill(pbody)
+        if picked is None:
+            return None
+        w, key = picked
+        addr = await self._transfer_address(w.url)
+        if addr is None:
+            return await self._run_prefill_leg(w, key, pbody, headers, path)
+        task = asyncio.create_task(self._run_prefill_leg(w, key, pbody, headers, path))
+        self._legs.add(task)
+        task.add_done_callback(self._legs.discard)
+        return {"do_remote_prefill": True, "remote_host": addr[0], "remote_port": addr[1], "transfer_id": tid,
+                "layerwise": True}
+
+    async def _transfer_address(self, url: str) -> Optional[tuple[str, int]]:
+        """The prefill engine's KV transfer host and port, from its ``/server_info`` (kept per URL until
+        a leg to it fails); None when it does not say (not in prefill mode, unreachable)."""
+        if url in self._bootstrap:
+            return self._bootstrap[url]
+        try:
+            r = await self.prefill.pool.client.get(url + "/server_info", timeout=5.0)
+            kv = (r.json().get("stats") or {}).get("kv_transfer") or {}
+            host, port = urlsplit(kv["address"]).hostname, urlsplit(kv["address"]).port
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+            return None
+        if kv.get("mode") != "prefill" or not port:
+            return None
+        if host in WILDCARD_HOSTS:
+            host = urlsplit(url).hostname
+        self._bootstrap[url] = (host, port)
+        return host, port
+
+    async def _run_prefill_leg(self, w, key, pbody: dict, headers: dict, path: str) -> Optional[dict]:
+        """Send the prefill leg to worker ``w`` (begun under ``key``); its ``kv_transfer_params`` or None."""
         t_sent = time.monotonic()
         try:
             # No _until_dead here: an unstreamed prefill sends nothing until it is done, so a busy prefill
@@ -147,6 +207,7 @@ class PDRouter:
             out = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as e:
             w.errors += 1
+            self._bootstrap.pop(w.url, None)
             log.warning("prefill leg on %s failed (%s): the decode engine prefills", w.url, type(e).__name__)
             self.counters["prefill_failed"] += 1
             return None
@@ -165,6 +226,8 @@ class PDRouter:
         return params
 
     async def close(self) -> None:
+        for t in list(self._legs):
+            t.cancel()
         for r in (self.prefill, self.decode):
             await r.pool.stop()
             await r.pool.client.aclose()
@@ -209,4 +272,4 @@ async def build_pd_router(args) -> PDRouter:
     da = copy.copy(args)
     da.worker_urls, da.policy = list(args.decode), args.decode_policy
     prefill, decode = await asyncio.gather(build_router(pa), build_router(da))
-    return PDRouter(prefill, decode, args.prefill_timeout_secs)
+    return PDRouter(prefill, decode, args.prefill_timeout_secs, getattr(args, "pd_layerwise", False))
