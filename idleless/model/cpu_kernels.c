@@ -2002,9 +2002,9 @@ DEFINE_LUT8(bf16, uint16_t)
  * a Q8_0 block (d_w, codes q_w) (d_w d_x) sum_i q_w,i q_i. The integer sums are exact; the float order
  * is fixed: per block, eight int32 lanes, lane l the sum of the products of features 4l .. 4l + 3 of the
  * block, each converted (exactly) and fused-multiply-added with d_w * d_x into lane l's float32
- * accumulator, blocks in order from 0; the lanes summed in hsum8's tree; Q4_1's m_w s_x terms a float32
- * fused-multiply-add chain over the blocks in order, added after:
- *   out[r, c] = T(hsum8(acc) [+ minima chain] + bias[c]).
+ * accumulator, blocks in order from 0; the lanes summed in hsum8's tree. Q4_1's m_w s_x terms likewise in
+ * eight float32 lanes, lane l a fused-multiply-add chain over blocks l, l + 8, ... (a8_minima), added after:
+ *   out[r, c] = T(hsum8(acc) [+ minima] + bias[c]).
  * AVX2: the 32 codes of a block in one vector (Q4_1's byte j holds features j and j + 16, so [low nibbles |
  * high nibbles] is k order), vpmaddubsw (unsigned codes times signed activations, pairs: no int16
  * overflow, 15 * 127 * 2 and 128 * 127 * 2 < 32767; Q8_0's signed codes through the sign trick
@@ -2020,6 +2020,35 @@ DEFINE_LUT8(bf16, uint16_t)
 #define A8_STACK 16384 /* activation codes and scales up to this many bytes live on the stack */
 #define A8_PAR_MIN_WORK PAR_MIN_WORK /* m * n * k from which threads split the output columns */
 
+/* the scales d_w * d_x of blocks 0 .. nb of weight row wd and activation row xd (float32 products) */
+static inline void a8_scales(const uint16_t *wd, const float *xd, int64_t nb, float *sc) {
+    int64_t b = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; b + 8 <= nb; b += 8)
+        _mm256_storeu_ps(sc + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + b))),
+                                               _mm256_loadu_ps(xd + b)));
+#endif
+    for (; b < nb; b++) sc[b] = f16_to_f32(wd[b]) * xd[b];
+}
+
+/* Q4_1's minima term sum_b m_w,b s_x,b: eight lanes, lane l the fused multiply-add chain over blocks
+ * b = l, l + 8, ... in order, lanes summed in hsum8's tree (the last nb % 8 blocks on scalars: no store
+ * forwarding stall from a padded vector) */
+static inline float a8_minima(const uint16_t *wm, const float *xs, int64_t nb) {
+    float a[8] = {0};
+    int64_t b = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + b))), _mm256_loadu_ps(xs + b), acc);
+    _mm256_storeu_ps(a, acc);
+#endif
+    for (; b < nb; b++) a[b % 8] = __builtin_fmaf(f16_to_f32(wm[b]), xs[b], a[b % 8]);
+    float h[4];
+    for (int l = 0; l < 4; l++) h[l] = a[l] + a[l + 4];
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256i a8_codes(int fmt, const uint8_t *wq, int64_t i) { /* block i's 32 codes, k order */
     if (fmt == GGUF_Q41) {
@@ -2029,45 +2058,55 @@ static inline __m256i a8_codes(int fmt, const uint8_t *wq, int64_t i) { /* block
     }
     return _mm256_loadu_si256((const __m256i *)(wq + 32 * i));
 }
-/* rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc) */
+#ifndef A8_AHEAD
+#define A8_AHEAD 8 /* software prefetch of the weight block this many columns ahead (the next tiles') */
+#endif
+#define A8_PREFETCH(fmt, wq, i) _mm_prefetch((const char *)((wq) + ((fmt) == GGUF_Q41 ? 16 : 32) * (i)), _MM_HINT_T0)
+/* the eight lanes of one block's integer dot product, converted to float32 (exact) */
+static inline __attribute__((always_inline)) __m256 a8_lanes(int fmt, __m256i w, __m256i wa, __m256i x) {
+    __m256i p = fmt == GGUF_Q41 ? _mm256_maddubs_epi16(w, x) : _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+/* rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc);
+ * sc: room for R * C * nb floats (the block scales d_w * d_x, computed first). Named accumulators (an
+ * array of them was kept in memory by the compiler); R, C constants where inlined, at most 2 x 4. */
+#define A8_ACC(r, j)                                                                                       \
+    if (R > r && C > j)                                                                                    \
+        a##r##j = _mm256_fmadd_ps(a8_lanes(fmt, w##j, wa##j, x##r),                                        \
+                                  _mm256_broadcast_ss(sc + (r * C + j) * nb + b), a##r##j);
+#define A8_CODES(j)                                                                                        \
+    if (C > j) {                                                                                           \
+        A8_PREFETCH(fmt, wq, (c0 + j + A8_AHEAD) * nb + b);                                                \
+        w##j = a8_codes(fmt, wq, (c0 + j) * nb + b);                                                       \
+        if (fmt == GGUF_Q80) wa##j = _mm256_sign_epi8(w##j, w##j);                                         \
+    }
 static inline __attribute__((always_inline)) void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k,
                                                           const uint8_t *wq, const uint16_t *wd, int64_t c0,
-                                                          int R, int C, float *res) {
+                                                          int R, int C, float *sc, float *res) {
     int64_t nb = k / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[A8_RR][A8_CG];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int j = 0; j < C; j++) a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc + (r * C + j) * nb);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     for (int64_t b = 0; b < nb; b++) {
-        __m256i w[A8_CG], wa[A8_CG];
-        float dw[A8_CG];
-        for (int j = 0; j < C; j++) {
-            int64_t i = (c0 + j) * nb + b;
-            w[j] = a8_codes(fmt, wq, i);
-            if (fmt == GGUF_Q80) wa[j] = _mm256_sign_epi8(w[j], w[j]);
-            dw[j] = f16_to_f32(wd[i]);
-        }
-        for (int r = 0; r < R; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * b));
-            float dx = xd[r * nb + b];
-            for (int j = 0; j < C; j++) {
-                __m256i p = fmt == GGUF_Q41 ? _mm256_maddubs_epi16(w[j], xv)
-                                            : _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j]));
-                __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-                acc[r][j] = _mm256_fmadd_ps(s, _mm256_set1_ps(dw[j] * dx), acc[r][j]);
-            }
-        }
+        __m256i w0 = _mm256_setzero_si256(), w1 = w0, w2 = w0, w3 = w0, wa0 = w0, wa1 = w0, wa2 = w0, wa3 = w0;
+        A8_CODES(0) A8_CODES(1) A8_CODES(2) A8_CODES(3)
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b)), x1 = x0;
+        if (R > 1) x1 = _mm256_loadu_si256((const __m256i *)(xq + k + 32 * b));
+        A8_ACC(0, 0) A8_ACC(0, 1) A8_ACC(0, 2) A8_ACC(0, 3)
+        A8_ACC(1, 0) A8_ACC(1, 1) A8_ACC(1, 2) A8_ACC(1, 3)
     }
+    __m256 acc[8] = {a00, a01, a02, a03, a10, a11, a12, a13};
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[4 * r + j]);
 }
 #else
 static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
-                           const uint16_t *wd, int64_t c0, int R, int C, float *res) {
+                           const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     int64_t nb = k / 32;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) {
             float acc[8] = {0};
+            a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc);
             for (int64_t b = 0; b < nb; b++) {
                 int64_t i = (c0 + j) * nb + b;
                 int w[32];
@@ -2075,11 +2114,10 @@ static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k
                     w[e] = fmt == GGUF_Q41 ? (e < 16 ? wq[16 * i + e] & 0x0f : wq[16 * i + e - 16] >> 4)
                                            : (int)((const int8_t *)wq)[32 * i + e];
                 const int8_t *x = xq + r * k + 32 * b;
-                float sc = f16_to_f32(wd[i]) * xd[r * nb + b];
                 for (int l = 0; l < 8; l++) {
                     int32_t s = 0;
                     for (int e = 4 * l; e < 4 * l + 4; e++) s += w[e] * (int32_t)x[e];
-                    acc[l] = __builtin_fmaf((float)s, sc, acc[l]);
+                    acc[l] = __builtin_fmaf((float)s, sc[b], acc[l]);
                 }
             }
             float h[4];
@@ -2091,11 +2129,11 @@ static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k
 
 #define A8_TILE_R(C)                                                                                       \
     switch (R) {                                                                                           \
-    case 2: a8_tile(fmt, xq, xd, k, wq, wd, c0, 2, C, res); break;                                         \
-    default: a8_tile(fmt, xq, xd, k, wq, wd, c0, 1, C, res); break;                                        \
+    case 2: a8_tile(fmt, xq, xd, k, wq, wd, c0, 2, C, sc, res); break;                                     \
+    default: a8_tile(fmt, xq, xd, k, wq, wd, c0, 1, C, sc, res); break;                                    \
     }
 static void a8_tile_any(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
-                        const uint16_t *wd, int64_t c0, int R, int C, float *res) {
+                        const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     if (fmt == GGUF_Q41) {
         if (C == A8_CG) { A8_TILE_R(A8_CG) } else { A8_TILE_R(1) }
     } else {
@@ -2160,17 +2198,58 @@ static inline float a8_block_##SUF(const T *xb, int8_t *qb, int32_t *sum) {     
 
 #define DEFINE_A8(SUF, T)                                                                                      \
 DEFINE_A8_BLOCK(SUF, T)                                                                                        \
-/* x [m, k] (rows ldx apart) -> codes q [m, k], steps d [m, k / 32], d * float(sum of codes) s [m, k / 32] */   \
-void a8_quantize_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d, float *s) {        \
+static void a8_quantize_rows_##SUF(const T *x, int64_t r0, int64_t r1, int64_t k, int64_t ldx, int8_t *q,      \
+                                   float *d, float *s) {                                                       \
     int64_t nb = k / 32;                                                                                       \
-    _Pragma("omp parallel for if (m * k >= 8 * PAR_MIN_WORK)")                                                 \
-    for (int64_t r = 0; r < m; r++)                                                                            \
+    for (int64_t r = r0; r < r1; r++)                                                                          \
         for (int64_t b = 0; b < nb; b++) {                                                                     \
             int32_t sum;                                                                                       \
             float db = a8_block_##SUF(x + r * ldx + 32 * b, q + r * k + 32 * b, &sum);                         \
             d[r * nb + b] = db;                                                                                \
             s[r * nb + b] = db * (float)sum;                                                                   \
         }                                                                                                      \
+}                                                                                                              \
+/* x [m, k] (rows ldx apart) -> codes q [m, k], steps d [m, k / 32], d * float(sum of codes) s [m, k / 32] */   \
+void a8_quantize_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d, float *s) {        \
+    if (m * k < 8 * PAR_MIN_WORK || MAX_THREADS() == 1) { /* no OpenMP region: its set-up costs a microsecond */ \
+        a8_quantize_rows_##SUF(x, 0, m, k, ldx, q, d, s);                                                      \
+        return;                                                                                                \
+    }                                                                                                          \
+    _Pragma("omp parallel for")                                                                                \
+    for (int64_t r = 0; r < m; r++) a8_quantize_rows_##SUF(x, r, r + 1, k, ldx, q, d, s);                      \
+}                                                                                                              \
+typedef struct { /* one a8 product: quantised rows, weight blocks, output */                                   \
+    int fmt;                                                                                                   \
+    const int8_t *xq;                                                                                          \
+    const float *xd, *xs;                                                                                      \
+    int64_t m, k, n, ldo;                                                                                      \
+    const uint8_t *wq;                                                                                         \
+    const uint16_t *wd, *wm;                                                                                   \
+    const T *bias;                                                                                             \
+    T *out;                                                                                                    \
+} a8_job_##SUF;                                                                                                \
+/* thread task t: output columns (t / nrt) * A8_COLS .., rows (t % nrt) * A8_ROWS .. */                         \
+static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {                                     \
+    int64_t m = J->m, k = J->k, n = J->n, nb = k / 32;                                                         \
+    int64_t c0 = (t / nrt) * A8_COLS, c1 = c0 + A8_COLS < n ? c0 + A8_COLS : n;                                \
+    int64_t r0 = (t % nrt) * A8_ROWS, r1 = r0 + A8_ROWS < m ? r0 + A8_ROWS : m;                                \
+    float sc[A8_RR * A8_CG * nb];                                                                              \
+    for (int64_t r = r0; r < r1; r += A8_RR) {                                                                 \
+        int R = r1 - r < A8_RR ? (int)(r1 - r) : A8_RR;                                                        \
+        for (int64_t c = c0; c < c1;) {                                                                        \
+            int C = c1 - c >= A8_CG ? A8_CG : 1; /* the last columns one at a time */                          \
+            float res[A8_RR * A8_CG];                                                                          \
+            a8_tile_any(J->fmt, J->xq + r * k, J->xd + r * nb, k, J->wq, J->wd, c, R, C, sc, res);             \
+            for (int i = 0; i < R; i++)                                                                        \
+                for (int j = 0; j < C; j++) {                                                                  \
+                    float v = res[i * C + j];                                                                  \
+                    if (J->wm) v += a8_minima(J->wm + (c + j) * nb, J->xs + (r + i) * nb, nb);                 \
+                    if (J->bias) v += LD_##SUF(J->bias + c + j);                                               \
+                    ST_##SUF(J->out + (r + i) * J->ldo + c + j, v);                                            \
+                }                                                                                              \
+            c += C;                                                                                            \
+        }                                                                                                      \
+    }                                                                                                          \
 }                                                                                                              \
 static int a8_linear_##SUF(int fmt, const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wq,          \
                            const uint16_t *wd, const uint16_t *wm, int64_t n, const T *bias, T *out,           \
@@ -2183,32 +2262,13 @@ static int a8_linear_##SUF(int fmt, const T *x, int64_t m, int64_t k, int64_t ld
     int8_t *xq = (int8_t *)buf;                                                                                \
     float *xd = (float *)(buf + qbytes), *xs = xd + m * nb;                                                    \
     a8_quantize_##SUF(x, m, k, ldx, xq, xd, xs);                                                               \
-    int64_t nct = (n + A8_COLS - 1) / A8_COLS, nrt = (m + A8_ROWS - 1) / A8_ROWS;                              \
-    _Pragma("omp parallel for schedule(static) if (m * n * k >= A8_PAR_MIN_WORK)")                             \
-    for (int64_t t = 0; t < nct * nrt; t++) {                                                                  \
-        int64_t c0 = (t / nrt) * A8_COLS, c1 = c0 + A8_COLS < n ? c0 + A8_COLS : n;                            \
-        int64_t r0 = (t % nrt) * A8_ROWS, r1 = r0 + A8_ROWS < m ? r0 + A8_ROWS : m;                            \
-        for (int64_t r = r0; r < r1; r += A8_RR) {                                                             \
-            int R = r1 - r < A8_RR ? (int)(r1 - r) : A8_RR;                                                    \
-            for (int64_t c = c0; c < c1;) {                                                                    \
-                int C = c1 - c >= A8_CG ? A8_CG : 1; /* the last columns one at a time */                      \
-                float res[A8_RR * A8_CG];                                                                      \
-                a8_tile_any(fmt, xq + r * k, xd + r * nb, k, wq, wd, c, R, C, res);                            \
-                for (int i = 0; i < R; i++)                                                                    \
-                    for (int j = 0; j < C; j++) {                                                              \
-                        float v = res[i * C + j];                                                              \
-                        if (wm) { /* Q4_1's minima: m_w s_x, blocks in order */                                \
-                            float sm = 0.f;                                                                    \
-                            for (int64_t b = 0; b < nb; b++)                                                   \
-                                sm = __builtin_fmaf(f16_to_f32(wm[(c + j) * nb + b]), xs[(r + i) * nb + b], sm); \
-                            v += sm;                                                                           \
-                        }                                                                                      \
-                        if (bias) v += LD_##SUF(bias + c + j);                                                 \
-                        ST_##SUF(out + (r + i) * ldo + c + j, v);                                              \
-                    }                                                                                          \
-                c += C;                                                                                        \
-            }                                                                                                  \
-        }                                                                                                      \
+    a8_job_##SUF J = {fmt, xq, xd, xs, m, k, n, ldo, wq, wd, wm, bias, out};                                   \
+    int64_t nrt = (m + A8_ROWS - 1) / A8_ROWS, ntask = (n + A8_COLS - 1) / A8_COLS * nrt;                      \
+    if (m * n * k < A8_PAR_MIN_WORK || MAX_THREADS() == 1) {                                                   \
+        for (int64_t t = 0; t < ntask; t++) a8_task_##SUF(&J, t, nrt);                                         \
+    } else {                                                                                                   \
+        _Pragma("omp parallel for schedule(static)")                                                           \
+        for (int64_t t = 0; t < ntask; t++) a8_task_##SUF(&J, t, nrt);                                         \
     }                                                                                                          \
     if (buf != stack) free(buf);                                                                               \
     return 1;                                                                                                  \
