@@ -386,11 +386,13 @@ void decode_attn_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const 
     {                                                                                                 \
     float *sc = sc_all + per * THREAD_ID();                                                           \
     float qf[grp][d], acc[grp][d], kf[d];                                                             \
-    _Pragma("omp for schedule(dynamic, 2)")                                                           \
-    for (int64_t b = 0; b < nb; b++) {                                                                \
+    /* one work item per (request, KV head): a batch of one still spreads over the threads */        \
+    _Pragma("omp for schedule(dynamic, 1)")                                                           \
+    for (int64_t it = 0; it < nb * nkv; it++) {                                                       \
+        int64_t b = it / nkv, kh = it % nkv;                                                          \
         int64_t len = off[b + 1] - off[b];                                                            \
         const int64_t *sl = slots + off[b];                                                           \
-        for (int64_t kh = 0; kh < nkv; kh++) {                                                        \
+        {                                                                                             \
             for (int64_t g = 0; g < grp; g++)                                                         \
                 for (int64_t i = 0; i < d; i++)                                                       \
                     qf[g][i] = LD_##SUF(q + qrow[b] * q_stride + (kh * grp + g) * d + i);             \
