@@ -237,3 +237,24 @@ def test_a_pull_arriving_mid_step_gets_the_layers_written_so_far_then_the_rest_o
     _idle_and_clean(prefill)
     decode.kv_connector.close()
     prefill.kv_connector.close()
+
+
+def test_int8_kv_streams_its_scales_layer_by_layer(model_dir):
+    """A quantised pool sends each layer's scales with its K/V; D's tokens equal a colocated int8 engine's."""
+    int8 = {"kv_cache_dtype": "int8", "skip_quantization_gate": True}  # the gate is tested elsewhere
+    c = _core(model_dir, **int8)
+    ref = _tokens(_run([c], [(c, [Request("c", PROMPT, _params())])]), "c")
+    prefill = _prefill(model_dir, **int8)
+    decode = _core(model_dir, disaggregation_mode="decode", **int8)
+    p_req, d_req = _legs(prefill, "t9", PROMPT, "d9")
+    prefill.add_request(p_req)
+    decode.add_request(d_req)
+    _streamed(prefill, "d9")
+    got = _run([prefill, decode], [])
+    assert _tokens(got, "d9") == ref
+    st = decode.kv_connector.stats()
+    assert st["num_transfers"] == 1 and st["num_fallbacks"] == 0 and st["num_layer_messages"] > 0
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+    prefill.kv_connector.close()
