@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from idleless.model.attention.decode import FusedDecodeAttention
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import CpuKernelOps
 
@@ -50,6 +51,7 @@ class _Views:
         self.h = g.h_buf[:t]
         self.x_ptr, self.qkv_ptr, self.o_ptr = self.x.data_ptr(), self.qkv.data_ptr(), self.o.data_ptr()
         self.gate_up_ptr, self.act_ptr, self.h_ptr = self.gate_up.data_ptr(), self.act.data_ptr(), self.h.data_ptr()
+        self.attn_ptr = self.attn.data_ptr()
 
 
 class DecodeGraph:
@@ -89,6 +91,7 @@ class DecodeGraph:
         # layouts are fixed here, so the wrappers' checks and output allocations are not repeated per call
         kern = self.kernels
         self._rms_norm, self._rope, self._silu_mul = kern._rms_norm, kern._rope, kern._silu_mul
+        self._kv_write, self._decode_attn = kern._kv_write, kern._decode_attn
         self._views: dict[int, _Views] = {}
 
     @classmethod
@@ -123,6 +126,8 @@ class DecodeGraph:
         qkv_w = self.qkv_width
         norm, rope, silu_mul = self._rms_norm, self._rope, self._silu_mul
         attention = self.backend.forward
+        attend = self._direct_attention(meta, out_cache_loc, v) or (
+            lambda i: attention(v.q, v.k, v.v, i, meta, out_cache_loc).view(t, self.q_size))
         pos, cos, sin = model.ops.rope_state(model.rope, positions, v.x.dtype)  # checks the positions
         pos_ptr, cos_ptr, sin_ptr = pos.data_ptr(), cos.data_ptr(), sin.data_ptr()
         residual = model.embed_tokens(input_ids).contiguous()
@@ -136,11 +141,46 @@ class DecodeGraph:
                 norm(v.h_ptr, hidden, res_ptr, hidden, w_in.data_ptr(), x_ptr, hidden, t, hidden, eps)
             qkv_proj.method.apply_into(qkv_proj, x, v.qkv)
             rope(v.qkv_ptr, qkv_w, pos_ptr, cos_ptr, sin_ptr, t, nqk, d)
-            o = attention(v.q, v.k, v.v, i, meta, out_cache_loc)
-            o_proj.method.apply_into(o_proj, o.view(t, self.q_size), v.o)
+            o_proj.method.apply_into(o_proj, attend(i), v.o)
             norm(v.o_ptr, hidden, res_ptr, hidden, w_post.data_ptr(), x_ptr, hidden, t, hidden, eps)
             gate_up_proj.method.apply_into(gate_up_proj, x, v.gate_up)
             silu_mul(v.gate_up_ptr, v.act_ptr, t, inter)
             down_proj.method.apply_into(down_proj, v.act, v.h)
         out, _ = model.norm(v.h[rows], residual[rows])
         return out
+
+    def _direct_attention(self, meta, out_cache_loc: torch.Tensor, v: _Views):
+        """When the whole batch is one part of the fused decode kernel over a pool in the model's dtype
+        (decode rows and short tails without shared segments: ``meta.alone``), the per-layer attention
+        as the composite runs it — K and V written into the pool, then ``decode_attn`` — with the kernels
+        called by address and the output in the graph's buffer: ``f(layer) -> [T, H * D]``. Else None
+        (the composite's ``forward``)."""
+        backend = self.backend
+        if not meta.alone or backend.pool.quantized or backend.kernels is not self.kernels:
+            return None
+        part, plan = meta.parts[0]
+        if not isinstance(part, FusedDecodeAttention) or len(plan.tails) != 1:
+            return None
+        group = plan.tails[0]
+        loc, rows, slots, offsets = (x.contiguous() for x in (out_cache_loc, group.rows, group.slots, group.offsets))
+        if any(x.dtype != torch.int64 for x in (loc, rows, slots, offsets)):
+            return None
+        t, nb = loc.numel(), rows.numel()
+        esize = v.qkv.element_size()
+        q_ptr, w = v.qkv_ptr, self.qkv_width
+        k_ptr, v_ptr = q_ptr + self.q_size * esize, q_ptr + (self.q_size + self.kv_size) * esize
+        k_layers, v_layers = backend._k_layers, backend._v_layers
+        kv_write, decode_attn, scale = self._kv_write, self._decode_attn, part.scale
+        h, hkv, d, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.kv_size
+        as_float = v.attn.dtype == torch.float32
+        out_f, out_t = (v.attn_ptr, None) if as_float else (None, v.attn_ptr)
+        keep = (loc, rows, slots, offsets)  # alive while the closure is
+
+        def attend(i: int) -> torch.Tensor:
+            kc, vc = k_layers[i].data_ptr(), v_layers[i].data_ptr()
+            kv_write(kc, k_ptr, w, keep[0].data_ptr(), t, kv_size)
+            kv_write(vc, v_ptr, w, keep[0].data_ptr(), t, kv_size)
+            decode_attn(q_ptr, w, keep[1].data_ptr(), kc, vc, keep[2].data_ptr(), keep[3].data_ptr(), nb, h, hkv, d,
+                        scale, out_f, out_t, None, keep[1].data_ptr())
+            return v.attn
+        return attend
