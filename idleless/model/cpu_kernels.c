@@ -2012,11 +2012,12 @@ DEFINE_LUT8(bf16, uint16_t)
  * overflow, 15 * 127 * 2 and 128 * 127 * 2 < 32767; Q8_0's signed codes through the sign trick
  * |q_w| * sign(q_x, q_w)), vpmaddwd with ones into the eight lanes; the scalar build computes the same
  * lanes with fmaf, so both give the same bits. An output's chain never depends on the other rows of the
- * call nor on the tile that computes it (batch-invariant). Tiles of A8_RR rows x A8_CG columns decode each
- * weight block once per tile and each activation block once per tile; thread tasks are A8_COLS columns
- * x A8_ROWS rows, columns outermost (a thread reads its share of the weight once). */
-#define A8_RR 2       /* rows per register tile */
-#define A8_CG 4       /* columns per register tile */
+ * call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns (fewer
+ * rows: 2 or 1 x 4) decode each weight block once per tile and load each activation block once per tile;
+ * thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
+ * weight once). */
+#define A8_RR 4       /* most rows per register tile (4 x 2; 2 x 4 and 1 x 4 for fewer rows) */
+#define A8_CG 4       /* most columns per register tile */
 #define A8_COLS 16    /* output columns per thread task */
 #define A8_ROWS 32    /* rows per thread task */
 #define A8_STACK 16384 /* activation codes and scales up to this many bytes live on the stack */
@@ -2071,7 +2072,7 @@ static inline __attribute__((always_inline)) __m256 a8_lanes(int fmt, __m256i w,
 }
 /* rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc);
  * sc: room for R * C * nb floats (the block scales d_w * d_x, computed first). Named accumulators (an
- * array of them was kept in memory by the compiler); R, C constants where inlined, at most 2 x 4. */
+ * array of them was kept in memory by the compiler); R, C constants where inlined: 1-2 x 4, 3-4 x 2. */
 #define A8_ACC(r, j)                                                                                       \
     if (R > r && C > j)                                                                                    \
         a##r##j = _mm256_fmadd_ps(a8_lanes(fmt, w##j, wa##j, x##r),                                        \
@@ -2088,18 +2089,22 @@ static inline __attribute__((always_inline)) void a8_tile(int fmt, const int8_t 
     int64_t nb = k / 32;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc + (r * C + j) * nb);
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t b = 0; b < nb; b++) {
         __m256i w0 = _mm256_setzero_si256(), w1 = w0, w2 = w0, w3 = w0, wa0 = w0, wa1 = w0, wa2 = w0, wa3 = w0;
         A8_CODES(0) A8_CODES(1) A8_CODES(2) A8_CODES(3)
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b)), x1 = x0;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 32 * b)), x1 = x0, x2 = x0, x3 = x0;
         if (R > 1) x1 = _mm256_loadu_si256((const __m256i *)(xq + k + 32 * b));
+        if (R > 2) x2 = _mm256_loadu_si256((const __m256i *)(xq + 2 * k + 32 * b));
+        if (R > 3) x3 = _mm256_loadu_si256((const __m256i *)(xq + 3 * k + 32 * b));
         A8_ACC(0, 0) A8_ACC(0, 1) A8_ACC(0, 2) A8_ACC(0, 3)
         A8_ACC(1, 0) A8_ACC(1, 1) A8_ACC(1, 2) A8_ACC(1, 3)
+        A8_ACC(2, 0) A8_ACC(2, 1) A8_ACC(3, 0) A8_ACC(3, 1)
     }
-    __m256 acc[8] = {a00, a01, a02, a03, a10, a11, a12, a13};
+    __m256 acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21}, {a30, a31}};
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[4 * r + j]);
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
 #else
 static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
@@ -2129,19 +2134,22 @@ static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k
 }
 #endif
 
-#define A8_TILE_R(C)                                                                                       \
-    switch (R) {                                                                                           \
-    case 2: a8_tile(fmt, xq, xd, k, wq, wd, c0, 2, C, sc, res); break;                                     \
-    default: a8_tile(fmt, xq, xd, k, wq, wd, c0, 1, C, sc, res); break;                                    \
+#define A8_TILE_RC(FMT)                                                                                    \
+    switch (R * 8 + C) {                                                                                   \
+    case 4 * 8 + 2: a8_tile(FMT, xq, xd, k, wq, wd, c0, 4, 2, sc, res); break;                             \
+    case 3 * 8 + 2: a8_tile(FMT, xq, xd, k, wq, wd, c0, 3, 2, sc, res); break;                             \
+    case 2 * 8 + 4: a8_tile(FMT, xq, xd, k, wq, wd, c0, 2, 4, sc, res); break;                             \
+    case 1 * 8 + 4: a8_tile(FMT, xq, xd, k, wq, wd, c0, 1, 4, sc, res); break;                             \
+    case 4 * 8 + 1: a8_tile(FMT, xq, xd, k, wq, wd, c0, 4, 1, sc, res); break;                             \
+    case 3 * 8 + 1: a8_tile(FMT, xq, xd, k, wq, wd, c0, 3, 1, sc, res); break;                             \
+    case 2 * 8 + 1: a8_tile(FMT, xq, xd, k, wq, wd, c0, 2, 1, sc, res); break;                             \
+    default: a8_tile(FMT, xq, xd, k, wq, wd, c0, 1, 1, sc, res); break;                                    \
     }
+/* a register tile of R rows x C columns: (4 or 3) x 2, (2 or 1) x 4, or any R x 1 */
 static void a8_tile_any(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
                         const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
-    if (fmt == GGUF_Q41) {
-        if (C == A8_CG) { A8_TILE_R(A8_CG) } else { A8_TILE_R(1) }
-    } else {
-        fmt = GGUF_Q80;
-        if (C == A8_CG) { A8_TILE_R(A8_CG) } else { A8_TILE_R(1) }
-    }
+    if (fmt == GGUF_Q41) { A8_TILE_RC(GGUF_Q41) }
+    else { A8_TILE_RC(GGUF_Q80) }
 }
 
 /* one block of 32: its codes qb, returns its step d_x; *sum: the sum of its codes. AVX2 where the compiler
@@ -2235,11 +2243,11 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
     int64_t m = J->m, k = J->k, n = J->n, nb = k / 32;                                                         \
     int64_t c0 = (t / nrt) * A8_COLS, c1 = c0 + A8_COLS < n ? c0 + A8_COLS : n;                                \
     int64_t r0 = (t % nrt) * A8_ROWS, r1 = r0 + A8_ROWS < m ? r0 + A8_ROWS : m;                                \
-    float sc[A8_RR * A8_CG * nb];                                                                              \
-    for (int64_t r = r0; r < r1; r += A8_RR) {                                                                 \
-        int R = r1 - r < A8_RR ? (int)(r1 - r) : A8_RR;                                                        \
+    float sc[8 * nb]; /* R * C <= 8 */                                                                         \
+    for (int64_t r = r0; r < r1;) {                                                                            \
+        int R = r1 - r >= 4 ? 4 : (int)(r1 - r), CT = R > 2 ? 2 : 4; /* 4 x 2 tiles, the last rows 3 x 2 ... */ \
         for (int64_t c = c0; c < c1;) {                                                                        \
-            int C = c1 - c >= A8_CG ? A8_CG : 1; /* the last columns one at a time */                          \
+            int C = c1 - c >= CT ? CT : 1; /* the last columns one at a time */                                \
             float res[A8_RR * A8_CG];                                                                          \
             a8_tile_any(J->fmt, J->xq + r * k, J->xd + r * nb, k, J->wq, J->wd, c, R, C, sc, res);             \
             for (int i = 0; i < R; i++)                                                                        \
@@ -2251,6 +2259,7 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
                 }                                                                                              \
             c += C;                                                                                            \
         }                                                                                                      \
+        r += R;                                                                                                \
     }                                                                                                          \
 }                                                                                                              \
 static int a8_linear_##SUF(int fmt, const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wq,          \
