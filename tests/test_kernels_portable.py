@@ -157,3 +157,40 @@ def test_gguf_linear_native_equals_portable(dtype, fmt):
         run = lambda kern, rows: kern.q80_linear(rows, q, d, bias)
     for rows in (x[:1], x):
         assert torch.equal(run(native, rows), run(portable, rows))
+
+
+@DTYPES
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 1, 32), (6, 3, 40), (16, 1, 16)])
+def test_decode_attn_native_equals_portable_and_float64(dtype, H, Hkv, D):
+    """The decode kernel (AVX2: 8 keys per vector, lane = key) gives the scalar kernel's bits: requests
+    with 0, 1, 7, 8, 9 and 300 keys (the 8-key blocks and the key-by-key rest), scattered slots, the
+    log-sum-exp too; head dims off the 16-lane blocks (40) take the scalar kernel on both builds. And the
+    portable build against a float64 softmax attention."""
+    native, portable = BUILDS[dtype]
+    g = _gen(H * D)
+    lens = [0, 1, 7, 8, 9, 300]
+    kc = torch.randn(1000, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(1000, Hkv, D, generator=g).to(dtype)
+    q = (torch.randn(len(lens), H, D, generator=g) * 2).to(dtype)
+    slots = torch.cat([torch.randperm(1000, generator=g)[:n] for n in lens])
+    offsets = torch.tensor([0] + lens).cumsum(0)
+    rows = torch.arange(len(lens))
+    outs = []
+    for k in (native, portable):
+        out = torch.full((len(lens), H, D), 7.0, dtype=torch.float32)
+        lse = torch.full((len(lens), H), 7.0)
+        k.decode_attn(q, rows, kc, vc, slots, offsets, D ** -0.5, out, rows, lse)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    grp = H // Hkv
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.all(outs[1][0][b] == 0) and torch.all(outs[1][1][b] == -float("inf"))
+            continue
+        s = slots[offsets[b]:offsets[b + 1]]
+        kk = kc[s].double().repeat_interleave(grp, dim=1)  # [n, H, D]
+        vv = vc[s].double().repeat_interleave(grp, dim=1)
+        sc = torch.einsum("hd,nhd->hn", q[b].double(), kk) * D ** -0.5
+        ref = torch.einsum("hn,nhd->hd", sc.softmax(-1), vv)
+        torch.testing.assert_close(outs[1][0][b].double(), ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(outs[1][1][b].double(), sc.logsumexp(-1), rtol=1e-5, atol=1e-5)

@@ -93,6 +93,24 @@ static inline void v_st_bf16(uint16_t *p, __m256 v) {
 }
 static inline __m256 v_rd_f32(__m256 v) { return v; }
 static inline __m256 v_rd_bf16(__m256 v) { return _mm256_castsi256_ps(v_bf16_bits(v)); }
+/* 8 x 8 transpose of float32 rows r[0..8) in place */
+static inline void transpose8_ps(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
 static inline __m256 v_exp(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
     __m256 below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), above = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
@@ -281,11 +299,129 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
     free(sc_all);
     return 1;
 }
-#define FAST_DECODE_bf16(...) if (decode_attn_bf16_avx512(__VA_ARGS__)) return;
+#define FAST_DECODE_bf16(...) if (decode_attn_bf16_avx512(__VA_ARGS__)) return; FAST_DECODE_AVX2_bf16(__VA_ARGS__)
 #else
-#define FAST_DECODE_bf16(...)
+#define FAST_DECODE_bf16(...) FAST_DECODE_AVX2_bf16(__VA_ARGS__)
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+/* decode_attn on AVX2 with the scalar kernel's IEEE operations in its order (so every build gives the same
+ * bits): q.k for 8 keys at once, lane = key (8 K rows transposed 8 x 8 into kt), the scalar code's 16
+ * partial sums p[l] each a vector over the keys, added up in the scalar order; the running maximum and
+ * the softmax sum taken key by key as there; exp by v_exp (fast_expf per lane); p.v 8 dimensions at a
+ * time. Work items are (request, KV head) as in the scalar kernel. Returns 0 (the scalar kernel runs)
+ * for d not a multiple of 16 or above 256, more than 16 query heads per KV head, or no memory. */
+#define DEFINE_DECODE_AVX2(SUF, T)                                                                      \
+static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const T *k_cache,  \
+                                  const T *v_cache, const int64_t *slots, const int64_t *off, int64_t nb, \
+                                  int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, \
+                                  float *lse, const int64_t *orow) {                                    \
+    int64_t grp = nh / nkv, max_len = 0, total = 0;                                                     \
+    if (d % 16 || d > 256 || grp > 16 || grp < 1) return 0;                                              \
+    for (int64_t b = 0; b < nb; b++) {                                                                  \
+        int64_t len = off[b + 1] - off[b];                                                              \
+        if (len > max_len) max_len = len;                                                               \
+        total += len;                                                                                   \
+    }                                                                                                   \
+    int64_t per = grp * (max_len > 0 ? max_len : 1);                                                    \
+    float *sc_all = (float *)malloc(sizeof(float) * (size_t)(per * MAX_THREADS()));                    \
+    if (!sc_all) return 0;                                                                              \
+    _Pragma("omp parallel if (total * nh * d >= PAR_MIN_WORK)")                                         \
+    {                                                                                                   \
+    float *sc = sc_all + per * THREAD_ID();                                                             \
+    float qf[grp][d], acc[grp][d], kt[d][8], mx[grp], sum[grp];                                         \
+    _Pragma("omp for schedule(dynamic, 1)")                                                             \
+    for (int64_t it = 0; it < nb * nkv; it++) {                                                         \
+        int64_t b = it / nkv, kh = it % nkv, len = off[b + 1] - off[b];                                  \
+        const int64_t *sl = slots + off[b];                                                             \
+        for (int64_t g = 0; g < grp; g++) {                                                             \
+            for (int64_t i = 0; i < d; i++) qf[g][i] = LD_##SUF(q + qrow[b] * q_stride + (kh * grp + g) * d + i); \
+            mx[g] = -INFINITY;                                                                          \
+        }                                                                                               \
+        int64_t j = 0;                                                                                  \
+        for (; j + 8 <= len; j += 8) {                                                                  \
+            for (int64_t c = 0; c < d; c += 8) {                                                        \
+                __m256 x[8];                                                                            \
+                for (int r = 0; r < 8; r++) x[r] = v_ld_##SUF(k_cache + (sl[j + r] * nkv + kh) * d + c); \
+                transpose8_ps(x);                                                                       \
+                for (int r = 0; r < 8; r++) _mm256_storeu_ps(kt[c + r], x[r]);                          \
+            }                                                                                           \
+            for (int64_t g = 0; g < grp; g++) {                                                         \
+                __m256 p[16];                                                                           \
+                for (int l = 0; l < 16; l++) p[l] = _mm256_setzero_ps();                                \
+                for (int64_t i = 0; i < d; i += 16)                                                     \
+                    for (int l = 0; l < 16; l++)                                                        \
+                        p[l] = _mm256_add_ps(p[l], _mm256_mul_ps(_mm256_set1_ps(qf[g][i + l]),          \
+                                                                 _mm256_loadu_ps(kt[i + l])));          \
+                __m256 s = _mm256_setzero_ps();                                                         \
+                for (int l = 0; l < 16; l++) s = _mm256_add_ps(s, p[l]);                                \
+                s = _mm256_mul_ps(s, _mm256_set1_ps(scale));                                            \
+                float *sg = sc + g * len + j;                                                           \
+                _mm256_storeu_ps(sg, s);                                                                \
+                for (int r = 0; r < 8; r++) if (sg[r] > mx[g]) mx[g] = sg[r];                           \
+            }                                                                                           \
+        }                                                                                               \
+        for (; j < len; j++) { /* the last keys as the scalar kernel does them */                      \
+            float kf[d];                                                                                \
+            const T *kr = k_cache + (sl[j] * nkv + kh) * d;                                             \
+            for (int64_t i = 0; i < d; i++) kf[i] = LD_##SUF(kr + i);                                   \
+            for (int64_t g = 0; g < grp; g++) {                                                         \
+                float p[16] = {0};                                                                      \
+                for (int64_t i = 0; i < d; i += 16)                                                     \
+                    for (int l = 0; l < 16; l++) p[l] += qf[g][i + l] * kf[i + l];                     \
+                float s = 0.f;                                                                          \
+                for (int l = 0; l < 16; l++) s += p[l];                                                 \
+                s *= scale;                                                                             \
+                sc[g * len + j] = s;                                                                    \
+                if (s > mx[g]) mx[g] = s;                                                               \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t g = 0; g < grp; g++) {                                                             \
+            float *sg = sc + g * len, tot = 0.f;                                                        \
+            __m256 m8 = _mm256_set1_ps(mx[g]);                                                          \
+            int64_t jj = 0;                                                                             \
+            for (; jj + 8 <= len; jj += 8) {                                                            \
+                _mm256_storeu_ps(sg + jj, v_exp(_mm256_sub_ps(_mm256_loadu_ps(sg + jj), m8)));          \
+                for (int r = 0; r < 8; r++) tot += sg[jj + r];                                          \
+            }                                                                                           \
+            for (; jj < len; jj++) {                                                                    \
+                sg[jj] = fast_expf(sg[jj] - mx[g]);                                                     \
+                tot += sg[jj];                                                                          \
+            }                                                                                           \
+            sum[g] = tot;                                                                               \
+            for (int64_t i = 0; i < d; i++) acc[g][i] = 0.f;                                            \
+        }                                                                                               \
+        for (j = 0; j < len; j++) {                                                                     \
+            const T *vr = v_cache + (sl[j] * nkv + kh) * d;                                             \
+            for (int64_t c = 0; c < d; c += 8) {                                                        \
+                __m256 vv = v_ld_##SUF(vr + c);                                                         \
+                for (int64_t g = 0; g < grp; g++)                                                       \
+                    _mm256_storeu_ps(acc[g] + c, _mm256_add_ps(_mm256_loadu_ps(acc[g] + c),             \
+                        _mm256_mul_ps(_mm256_set1_ps(sc[g * len + j]), vv)));                           \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t g = 0; g < grp; g++) {                                                             \
+            int64_t hd = kh * grp + g;                                                                  \
+            float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                                  \
+            for (int64_t i = 0; i < d; i++) {                                                           \
+                float o = acc[g][i] * inv;                                                              \
+                if (out_f) out_f[(orow[b] * nh + hd) * d + i] = o;                                      \
+                else ST_##SUF(out_t + (orow[b] * nh + hd) * d + i, o);                                  \
+            }                                                                                           \
+            if (lse) lse[orow[b] * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;               \
+        }                                                                                               \
+    }                                                                                                   \
+    }                                                                                                   \
+    free(sc_all);                                                                                       \
+    return 1;                                                                                           \
+}
+DEFINE_DECODE_AVX2(f32, float)
+DEFINE_DECODE_AVX2(bf16, uint16_t)
+#define FAST_DECODE_f32(...) if (decode_attn_avx2_f32(__VA_ARGS__)) return;
+#define FAST_DECODE_AVX2_bf16(...) if (decode_attn_avx2_bf16(__VA_ARGS__)) return;
+#else
 #define FAST_DECODE_f32(...)
+#define FAST_DECODE_AVX2_bf16(...)
+#endif
 
 #define DEFINE_KERNELS(SUF, T)                                                                          \
 /* out[r] = w * T(x[r] * rsqrt(mean(x[r]^2) + eps)) over rows r < n of width h (HF LlamaRMSNorm).   \
@@ -692,23 +828,6 @@ static void ca_pv(const float *p, int nq, int64_t nn, const float *vf, int64_t d
  * their values into vf [BI_CHUNK][d], as float32: a copy, the same values in any build; AVX2 moves 8 keys
  * x 8 dims at a time through an 8 x 8 transpose. */
 #if defined(__AVX2__) && defined(__FMA__)
-static inline void transpose8_ps(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
 #define CA_GATHER_SIMD(SUF, T)                                                                          \
     for (; j + 8 <= n; j += 8) {                                                                        \
         const T *kr[8];                                                                                 \
