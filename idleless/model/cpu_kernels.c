@@ -1623,11 +1623,12 @@ void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, con
     {                                                                                                          \
     float *sc = sc_all + per * THREAD_ID();                                                                    \
     float qf[grp][d], acc[grp][d], kf[d];                                                                      \
-    _Pragma("omp for schedule(dynamic, 2)")                                                                    \
-    for (int64_t b = 0; b < nb; b++) {                                                                         \
+    _Pragma("omp for schedule(dynamic, 1)") /* one work item per (request, KV head), as decode_attn */         \
+    for (int64_t it = 0; it < nb * nkv; it++) {                                                                \
+        int64_t b = it / nkv, kh = it % nkv;                                                                   \
         int64_t len = off[b + 1] - off[b];                                                                     \
         const int64_t *sl = slots + off[b];                                                                    \
-        for (int64_t kh = 0; kh < nkv; kh++) {                                                                 \
+        {                                                                                                      \
             float mx[grp], sum[grp];                                                                           \
             for (int64_t g = 0; g < grp; g++) {                                                                \
                 for (int64_t i = 0; i < d; i++)                                                                \
