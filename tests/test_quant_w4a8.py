@@ -225,6 +225,10 @@ def test_tiny_model_end_to_end(tmp_path):
     kl = torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
     assert 0 < float(kl.mean()) < 0.04
+    # the start-up accuracy gate measures the combination like any other
+    gated = ModelRunner(EngineConfig(model=path, dtype="float32", kv_cache_memory="2MiB", num_threads=TEST_THREADS,
+                                     weight_dtype="int4", activation_dtype="int8")).precision
+    assert gated["gate"] == "passed" and gated["activation_dtype"] == "int8" and 0 < gated["kl"] < 0.04
 
 
 def test_flags_accept_w4a8_and_refuse_the_rest(tmp_path):
