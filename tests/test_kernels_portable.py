@@ -194,3 +194,33 @@ def test_decode_attn_native_equals_portable_and_float64(dtype, H, Hkv, D):
         ref = torch.einsum("hn,nhd->hd", sc.softmax(-1), vv)
         torch.testing.assert_close(outs[1][0][b].double(), ref, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(outs[1][1][b].double(), sc.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
+@DTYPES
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_attn_q8_native_equals_portable(dtype, fmt):
+    """The decode kernel over an 8-bit KV pool (AVX2: bytes through the format's table by a gather, the
+    key's K scale in its score factor, V's scale in its weight) gives the scalar kernel's bits, output
+    and log-sum-exp, for requests of 0, 1, 7, 8, 9 and 300 keys on scattered slots (its float64
+    reference is tests/test_kv_dtype.py's)."""
+    from idleless.cache.kv_pool import KVPool
+
+    native, portable = BUILDS[dtype]
+    H, Hkv, D = 9, 3, 64
+    g = _gen(5)
+    pool = KVPool(1, Hkv, D, 1000, dtype, cache_dtype=fmt)
+    k, v = pool.layer_kv(0)
+    k.write(torch.arange(1000), torch.randn(1000, Hkv, D, generator=g) * 4)
+    v.write(torch.arange(1000), torch.randn(1000, Hkv, D, generator=g))
+    lens = [0, 1, 7, 8, 9, 300]
+    q = (torch.randn(len(lens), H, D, generator=g) * 2).to(dtype)
+    slots = torch.cat([torch.randperm(1000, generator=g)[:n] for n in lens])
+    offsets = torch.tensor([0] + lens).cumsum(0)
+    rows = torch.arange(len(lens))
+    outs = []
+    for kern in (native, portable):
+        out, lse = torch.full((len(lens), H, D), 7.0, dtype=dtype), torch.full((len(lens), H), 7.0)
+        kern.decode_attn_q8(q, rows, k, v, slots, offsets, D ** -0.5, out, rows, lse)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0][1:], torch.full_like(outs[0][0][1:], 7.0))

@@ -304,17 +304,30 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
 #define FAST_DECODE_bf16(...) FAST_DECODE_AVX2_bf16(__VA_ARGS__)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-/* decode_attn on AVX2 with the scalar kernel's IEEE operations in its order (so every build gives the same
- * bits): q.k for 8 keys at once, lane = key (8 K rows transposed 8 x 8 into kt), the scalar code's 16
- * partial sums p[l] each a vector over the keys, added up in the scalar order; the running maximum and
- * the softmax sum taken key by key as there; exp by v_exp (fast_expf per lane); p.v 8 dimensions at a
- * time. Work items are (request, KV head) as in the scalar kernel. Returns 0 (the scalar kernel runs)
- * for d not a multiple of 16 or above 256, more than 16 query heads per KV head, or no memory. */
-#define DEFINE_DECODE_AVX2(SUF, T)                                                                      \
-static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const T *k_cache,  \
-                                  const T *v_cache, const int64_t *slots, const int64_t *off, int64_t nb, \
-                                  int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, \
-                                  float *lse, const int64_t *orow) {                                    \
+/* decode_attn (and decode_attn_q8) on AVX2 with the scalar kernels' IEEE operations in their order (so every
+ * build gives the same bits): q.k for 8 keys at once, lane = key (8 K rows transposed 8 x 8 into kt), the
+ * scalar code's 16 partial sums p[l] each a vector over the keys, added up in the scalar order, times the
+ * key's factor (the softmax scale; with an 8-bit pool the key's K scale times it, as the scalar kernel
+ * forms it); the running maximum and the softmax sum taken key by key as there; exp by v_exp (fast_expf
+ * per lane); p.v 8 dimensions at a time. An 8-bit pool (q8: lut non-NULL) is read through its 256-entry
+ * table (a gather), V's scale folded into each key's weight as the scalar kernel does. Work items are
+ * (request, KV head). Returns 0 (the scalar kernel runs) for d not a multiple of 16 or above 256, more
+ * than 16 query heads per KV head, or no memory. */
+static inline __m256 dec_row8(const void *cache, int64_t at, const float *lut, int bf16) {
+    if (lut) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                            (const __m128i *)((const uint8_t *)cache + at))), 4);
+    return bf16 ? v_ld_bf16((const uint16_t *)cache + at) : v_ld_f32((const float *)cache + at);
+}
+static inline float dec_one(const void *cache, int64_t at, const float *lut, int bf16) {
+    if (lut) return lut[((const uint8_t *)cache)[at]];
+    return bf16 ? bf16_to_f32(((const uint16_t *)cache)[at]) : ((const float *)cache)[at];
+}
+#define DEFINE_DECODE_AVX2(SUF, T, BF16)                                                                \
+static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(                               \
+        const T *q, int64_t q_stride, const int64_t *qrow, const void *k_cache, const void *v_cache,    \
+        const float *k_scale, const float *v_scale, const float *lut, const int64_t *slots,             \
+        const int64_t *off, int64_t nb, int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f,  \
+        T *out_t, float *lse, const int64_t *orow) {                                                    \
     int64_t grp = nh / nkv, max_len = 0, total = 0;                                                     \
     if (d % 16 || d > 256 || grp > 16 || grp < 1) return 0;                                              \
     for (int64_t b = 0; b < nb; b++) {                                                                  \
@@ -339,9 +352,11 @@ static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *q
         }                                                                                               \
         int64_t j = 0;                                                                                  \
         for (; j + 8 <= len; j += 8) {                                                                  \
+            float kf8[8];                                                                               \
+            for (int r = 0; r < 8; r++) kf8[r] = k_scale ? k_scale[sl[j + r] * nkv + kh] * scale : scale; \
             for (int64_t c = 0; c < d; c += 8) {                                                        \
                 __m256 x[8];                                                                            \
-                for (int r = 0; r < 8; r++) x[r] = v_ld_##SUF(k_cache + (sl[j + r] * nkv + kh) * d + c); \
+                for (int r = 0; r < 8; r++) x[r] = dec_row8(k_cache, (sl[j + r] * nkv + kh) * d + c, lut, BF16); \
                 transpose8_ps(x);                                                                       \
                 for (int r = 0; r < 8; r++) _mm256_storeu_ps(kt[c + r], x[r]);                          \
             }                                                                                           \
@@ -354,23 +369,24 @@ static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *q
                                                                  _mm256_loadu_ps(kt[i + l])));          \
                 __m256 s = _mm256_setzero_ps();                                                         \
                 for (int l = 0; l < 16; l++) s = _mm256_add_ps(s, p[l]);                                \
-                s = _mm256_mul_ps(s, _mm256_set1_ps(scale));                                            \
+                s = _mm256_mul_ps(s, _mm256_loadu_ps(kf8));                                             \
                 float *sg = sc + g * len + j;                                                           \
                 _mm256_storeu_ps(sg, s);                                                                \
                 for (int r = 0; r < 8; r++) if (sg[r] > mx[g]) mx[g] = sg[r];                           \
             }                                                                                           \
         }                                                                                               \
-        for (; j < len; j++) { /* the last keys as the scalar kernel does them */                      \
+        for (; j < len; j++) { /* the last keys as the scalar kernels do them */                       \
             float kf[d];                                                                                \
-            const T *kr = k_cache + (sl[j] * nkv + kh) * d;                                             \
-            for (int64_t i = 0; i < d; i++) kf[i] = LD_##SUF(kr + i);                                   \
+            int64_t at = (sl[j] * nkv + kh) * d;                                                        \
+            for (int64_t i = 0; i < d; i++) kf[i] = dec_one(k_cache, at + i, lut, BF16);                \
+            float ks = k_scale ? k_scale[sl[j] * nkv + kh] * scale : scale;                             \
             for (int64_t g = 0; g < grp; g++) {                                                         \
                 float p[16] = {0};                                                                      \
                 for (int64_t i = 0; i < d; i += 16)                                                     \
                     for (int l = 0; l < 16; l++) p[l] += qf[g][i + l] * kf[i + l];                     \
                 float s = 0.f;                                                                          \
                 for (int l = 0; l < 16; l++) s += p[l];                                                 \
-                s *= scale;                                                                             \
+                s *= ks;                                                                                \
                 sc[g * len + j] = s;                                                                    \
                 if (s > mx[g]) mx[g] = s;                                                               \
             }                                                                                           \
@@ -391,12 +407,16 @@ static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *q
             for (int64_t i = 0; i < d; i++) acc[g][i] = 0.f;                                            \
         }                                                                                               \
         for (j = 0; j < len; j++) {                                                                     \
-            const T *vr = v_cache + (sl[j] * nkv + kh) * d;                                             \
+            int64_t at = (sl[j] * nkv + kh) * d;                                                        \
+            float vs = v_scale ? v_scale[sl[j] * nkv + kh] : 1.f;                                       \
+            __m256 pj[grp];                                                                             \
+            for (int64_t g = 0; g < grp; g++)                                                           \
+                pj[g] = _mm256_set1_ps(v_scale ? sc[g * len + j] * vs : sc[g * len + j]);               \
             for (int64_t c = 0; c < d; c += 8) {                                                        \
-                __m256 vv = v_ld_##SUF(vr + c);                                                         \
+                __m256 vv = dec_row8(v_cache, at + c, lut, BF16);                                       \
                 for (int64_t g = 0; g < grp; g++)                                                       \
                     _mm256_storeu_ps(acc[g] + c, _mm256_add_ps(_mm256_loadu_ps(acc[g] + c),             \
-                        _mm256_mul_ps(_mm256_set1_ps(sc[g * len + j]), vv)));                           \
+                                                               _mm256_mul_ps(pj[g], vv)));              \
             }                                                                                           \
         }                                                                                               \
         for (int64_t g = 0; g < grp; g++) {                                                             \
@@ -413,14 +433,31 @@ static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *q
     }                                                                                                   \
     free(sc_all);                                                                                       \
     return 1;                                                                                           \
+}                                                                                                       \
+static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const T *k_cache,  \
+                                  const T *v_cache, const int64_t *slots, const int64_t *off, int64_t nb, \
+                                  int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, \
+                                  float *lse, const int64_t *orow) {                                    \
+    return decode_avx2_core_##SUF(q, q_stride, qrow, k_cache, v_cache, NULL, NULL, NULL, slots, off, nb, nh, \
+                                  nkv, d, scale, out_f, out_t, lse, orow);                              \
+}                                                                                                       \
+static int decode_attn_q8_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *qrow,                 \
+                                     const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale, \
+                                     const float *v_scale, const float *lut, const int64_t *slots,      \
+                                     const int64_t *off, int64_t nb, int64_t nh, int64_t nkv, int64_t d, \
+                                     float scale, float *out_f, T *out_t, float *lse, const int64_t *orow) { \
+    return decode_avx2_core_##SUF(q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, lut, slots, off, nb, \
+                                  nh, nkv, d, scale, out_f, out_t, lse, orow);                          \
 }
-DEFINE_DECODE_AVX2(f32, float)
-DEFINE_DECODE_AVX2(bf16, uint16_t)
+DEFINE_DECODE_AVX2(f32, float, 0)
+DEFINE_DECODE_AVX2(bf16, uint16_t, 1)
 #define FAST_DECODE_f32(...) if (decode_attn_avx2_f32(__VA_ARGS__)) return;
 #define FAST_DECODE_AVX2_bf16(...) if (decode_attn_avx2_bf16(__VA_ARGS__)) return;
+#define FAST_DECODE_Q8(SUF, ...) if (decode_attn_q8_avx2_##SUF(__VA_ARGS__)) return;
 #else
 #define FAST_DECODE_f32(...)
 #define FAST_DECODE_AVX2_bf16(...)
+#define FAST_DECODE_Q8(SUF, ...)
 #endif
 
 #define DEFINE_KERNELS(SUF, T)                                                                          \
@@ -1610,6 +1647,8 @@ void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, con
                           const float *lut, const int64_t *slots, const int64_t *off, int64_t nb, int64_t nh,  \
                           int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, float *lse,             \
                           const int64_t *orow) {                                                               \
+    FAST_DECODE_Q8(SUF, q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, lut, slots, off, nb, nh, nkv, d,     \
+                   scale, out_f, out_t, lse, orow)                                                             \
     int64_t grp = nh / nkv, max_len = 0, total = 0;                                                            \
     for (int64_t b = 0; b < nb; b++) {                                                                         \
         int64_t len = off[b + 1] - off[b];                                                                     \
@@ -2172,6 +2211,11 @@ static inline float a8_minima(const uint16_t *wm, const float *xs, int64_t nb) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
+/* Q4_1's activation layout: blocks in pairs, 64 bytes per pair: features 0..15 of block 2p, of block 2p + 1,
+ * then 16..31 of block 2p, of block 2p + 1 (the order of the weight's nibbles two blocks at a time); the
+ * offset of feature e of block b in a row */
+static inline int64_t a8_pair_at(int64_t b, int e) { return 64 * (b / 2) + 32 * (e / 16) + 16 * (b % 2) + e % 16; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256i a8_codes(int fmt, const uint8_t *wq, int64_t i) { /* block i's 32 codes, k order */
     if (fmt == GGUF_Q41) {
@@ -2226,6 +2270,57 @@ static inline __attribute__((always_inline)) void a8_tile(int fmt, const int8_t 
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
+/* Q4_1 two blocks at a time (b, b + 1 of a column are 32 adjacent bytes): low nibbles = features 0..15 of
+ * both, high nibbles = features 16..31 of both, against activation codes stored in that order (a8_pair_at);
+ * the two vpmaddubsw results added as int16 (at most 4 * 15 * 127: exact) and summed by vpmaddwd into lanes
+ * 0..3 (block b, lane l: features 4l..4l+3 and 16+4l..16+4l+3) and 4..7 (block b + 1), each scaled by its
+ * block's d_w d_x (a zero scale and zero codes past the last block). */
+#define A8P_ACC(r, j)                                                                                      \
+    if (R > r && C > j)                                                                                    \
+        a##r##j = _mm256_fmadd_ps(                                                                         \
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(                                                          \
+                _mm256_add_epi16(_mm256_maddubs_epi16(lo##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p))), \
+                                 _mm256_maddubs_epi16(hi##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p + 32)))), \
+                ones)),                                                                                    \
+            _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc + (r * C + j) * nb8 + (2 * p & ~(int64_t)7)), idx), a##r##j);
+#define A8P_CODES(j, TAIL)                                                                                 \
+    if (C > j) {                                                                                           \
+        const uint8_t *wp = wq + 16 * ((c0 + j) * nb + 2 * p);                                             \
+        _mm_prefetch((const char *)(wp + 16 * A8_AHEAD * nb), _MM_HINT_T0);                                \
+        __m256i v = TAIL ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wp))                   \
+                         : _mm256_loadu_si256((const __m256i *)wp);                                        \
+        lo##j = _mm256_and_si256(v, low);                                                                  \
+        hi##j = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                                            \
+    }
+#define A8P_STEP(TAIL)                                                                                     \
+    {                                                                                                      \
+        __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(2 * (int)(p & 3))); \
+        __m256i lo0 = _mm256_setzero_si256(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0; \
+        A8P_CODES(0, TAIL) A8P_CODES(1, TAIL) A8P_CODES(2, TAIL) A8P_CODES(3, TAIL)                        \
+        A8P_ACC(0, 0) A8P_ACC(0, 1) A8P_ACC(0, 2) A8P_ACC(0, 3)                                            \
+        A8P_ACC(1, 0) A8P_ACC(1, 1) A8P_ACC(1, 2) A8P_ACC(1, 3)                                            \
+        A8P_ACC(2, 0) A8P_ACC(2, 1) A8P_ACC(3, 0) A8P_ACC(3, 1)                                            \
+    }
+static inline __attribute__((always_inline)) void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd,
+                                                              int64_t nb, const uint8_t *wq, const uint16_t *wd,
+                                                              int64_t c0, int R, int C, float *sc, float *res) {
+    int64_t nb8 = (nb + 7) / 8 * 8;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            float *s = sc + (r * C + j) * nb8;
+            a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, s);
+            for (int64_t b = nb; b < nb8; b++) s[b] = 0.f;
+        }
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    int64_t p = 0;
+    for (; 2 * p + 1 < nb; p++) A8P_STEP(0)
+    if (2 * p < nb) A8P_STEP(1) /* an odd last block */
+    __m256 acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21}, {a30, a31}};
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
+}
 #else
 static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
                            const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
@@ -2252,24 +2347,53 @@ static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k
             res[r * C + j] = (h[0] + h[2]) + (h[1] + h[3]);
         }
 }
+/* the portable a8_tile_q41: the same lanes (see there), products summed exactly, one fmaf per lane and pair */
+static inline void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd, int64_t nb, const uint8_t *wq,
+                               const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            float acc[8] = {0};
+            a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc);
+            for (int64_t p = 0; 2 * p < nb; p++)
+                for (int l = 0; l < 8; l++) {
+                    int64_t b = 2 * p + l / 4;
+                    int32_t s = 0;
+                    float scale = 0.f;
+                    if (b < nb) {
+                        const uint8_t *w = wq + 16 * ((c0 + j) * nb + b);
+                        for (int e = 4 * (l % 4); e < 4 * (l % 4) + 4; e++)
+                            s += (w[e] & 0x0f) * (int32_t)xq[r * ldq + a8_pair_at(b, e)] +
+                                 (w[e] >> 4) * (int32_t)xq[r * ldq + a8_pair_at(b, e + 16)];
+                        scale = sc[b];
+                    }
+                    acc[l] = __builtin_fmaf((float)s, scale, acc[l]);
+                }
+            float h[4];
+            for (int l = 0; l < 4; l++) h[l] = acc[l] + acc[l + 4];
+            res[r * C + j] = (h[0] + h[2]) + (h[1] + h[3]);
+        }
+}
 #endif
 
-#define A8_TILE_RC(FMT)                                                                                    \
+#define A8_TILE_RC(CALL)                                                                                   \
     switch (R * 8 + C) {                                                                                   \
-    case 4 * 8 + 2: a8_tile(FMT, xq, xd, k, wq, wd, c0, 4, 2, sc, res); break;                             \
-    case 3 * 8 + 2: a8_tile(FMT, xq, xd, k, wq, wd, c0, 3, 2, sc, res); break;                             \
-    case 2 * 8 + 4: a8_tile(FMT, xq, xd, k, wq, wd, c0, 2, 4, sc, res); break;                             \
-    case 1 * 8 + 4: a8_tile(FMT, xq, xd, k, wq, wd, c0, 1, 4, sc, res); break;                             \
-    case 4 * 8 + 1: a8_tile(FMT, xq, xd, k, wq, wd, c0, 4, 1, sc, res); break;                             \
-    case 3 * 8 + 1: a8_tile(FMT, xq, xd, k, wq, wd, c0, 3, 1, sc, res); break;                             \
-    case 2 * 8 + 1: a8_tile(FMT, xq, xd, k, wq, wd, c0, 2, 1, sc, res); break;                             \
-    default: a8_tile(FMT, xq, xd, k, wq, wd, c0, 1, 1, sc, res); break;                                    \
+    case 4 * 8 + 2: CALL(4, 2); break;                                                                     \
+    case 3 * 8 + 2: CALL(3, 2); break;                                                                     \
+    case 2 * 8 + 4: CALL(2, 4); break;                                                                     \
+    case 1 * 8 + 4: CALL(1, 4); break;                                                                     \
+    case 4 * 8 + 1: CALL(4, 1); break;                                                                     \
+    case 3 * 8 + 1: CALL(3, 1); break;                                                                     \
+    case 2 * 8 + 1: CALL(2, 1); break;                                                                     \
+    default: CALL(1, 1); break;                                                                            \
     }
-/* a register tile of R rows x C columns: (4 or 3) x 2, (2 or 1) x 4, or any R x 1 */
-static void a8_tile_any(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
+#define A8_CALL_Q41(RR, CC) a8_tile_q41(xq, ldq, xd, k / 32, wq, wd, c0, RR, CC, sc, res)
+#define A8_CALL_Q80(RR, CC) a8_tile(GGUF_Q80, xq, xd, k, wq, wd, c0, RR, CC, sc, res)
+/* a register tile of R rows x C columns: (4 or 3) x 2, (2 or 1) x 4, or any R x 1; xq rows ldq apart
+ * (Q4_1: the pair layout, a8_pair_at; Q8_0: k) */
+static void a8_tile_any(int fmt, const int8_t *xq, int64_t ldq, const float *xd, int64_t k, const uint8_t *wq,
                         const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
-    if (fmt == GGUF_Q41) { A8_TILE_RC(GGUF_Q41) }
-    else { A8_TILE_RC(GGUF_Q80) }
+    if (fmt == GGUF_Q41) { A8_TILE_RC(A8_CALL_Q41) }
+    else { A8_TILE_RC(A8_CALL_Q80) }
 }
 
 /* one block of 32: its codes qb, returns its step d_x; *sum: the sum of its codes. AVX2 where the compiler
@@ -2328,31 +2452,48 @@ static inline float a8_block_##SUF(const T *xb, int8_t *qb, int32_t *sum) {     
 
 #define DEFINE_A8(SUF, T)                                                                                      \
 DEFINE_A8_BLOCK(SUF, T)                                                                                        \
+/* rows r0 .. r1 of x quantised: codes into q (rows ldq apart; paired: Q4_1's pair layout, a8_pair_at, the   \
+ * halves of a missing last block zero), steps d and sums s (rows k / 32 apart) */                              \
 static void a8_quantize_rows_##SUF(const T *x, int64_t r0, int64_t r1, int64_t k, int64_t ldx, int8_t *q,      \
-                                   float *d, float *s) {                                                       \
+                                   int64_t ldq, int paired, float *d, float *s) {                              \
     int64_t nb = k / 32;                                                                                       \
-    for (int64_t r = r0; r < r1; r++)                                                                          \
+    for (int64_t r = r0; r < r1; r++) {                                                                        \
+        int8_t *qr = q + r * ldq;                                                                              \
         for (int64_t b = 0; b < nb; b++) {                                                                     \
             int32_t sum;                                                                                       \
-            float db = a8_block_##SUF(x + r * ldx + 32 * b, q + r * k + 32 * b, &sum);                         \
+            int8_t tmp[32];                                                                                    \
+            float db = a8_block_##SUF(x + r * ldx + 32 * b, paired ? tmp : qr + 32 * b, &sum);                 \
+            if (paired) {                                                                                      \
+                memcpy(qr + a8_pair_at(b, 0), tmp, 16);                                                        \
+                memcpy(qr + a8_pair_at(b, 16), tmp + 16, 16);                                                  \
+            }                                                                                                  \
             d[r * nb + b] = db;                                                                                \
             s[r * nb + b] = db * (float)sum;                                                                   \
         }                                                                                                      \
+        if (paired && nb % 2) {                                                                                \
+            memset(qr + a8_pair_at(nb, 0), 0, 16);                                                             \
+            memset(qr + a8_pair_at(nb, 16), 0, 16);                                                            \
+        }                                                                                                      \
+    }                                                                                                          \
 }                                                                                                              \
-/* x [m, k] (rows ldx apart) -> codes q [m, k], steps d [m, k / 32], d * float(sum of codes) s [m, k / 32] */   \
-void a8_quantize_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d, float *s) {        \
+static void a8_quantize_into_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, int64_t ldq,      \
+                                   int paired, float *d, float *s) {                                           \
     if (m * k < 8 * PAR_MIN_WORK || MAX_THREADS() == 1) { /* no OpenMP region: its set-up costs a microsecond */ \
-        a8_quantize_rows_##SUF(x, 0, m, k, ldx, q, d, s);                                                      \
+        a8_quantize_rows_##SUF(x, 0, m, k, ldx, q, ldq, paired, d, s);                                         \
         return;                                                                                                \
     }                                                                                                          \
     _Pragma("omp parallel for")                                                                                \
-    for (int64_t r = 0; r < m; r++) a8_quantize_rows_##SUF(x, r, r + 1, k, ldx, q, d, s);                      \
+    for (int64_t r = 0; r < m; r++) a8_quantize_rows_##SUF(x, r, r + 1, k, ldx, q, ldq, paired, d, s);         \
+}                                                                                                              \
+/* x [m, k] (rows ldx apart) -> codes q [m, k], steps d [m, k / 32], d * float(sum of codes) s [m, k / 32] */   \
+void a8_quantize_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d, float *s) {        \
+    a8_quantize_into_##SUF(x, m, k, ldx, q, k, 0, d, s);                                                       \
 }                                                                                                              \
 typedef struct { /* one a8 product: quantised rows, weight blocks, output */                                   \
     int fmt;                                                                                                   \
     const int8_t *xq;                                                                                          \
     const float *xd, *xs;                                                                                      \
-    int64_t m, k, n, ldo;                                                                                      \
+    int64_t m, k, n, ldo, ldq;                                                                                 \
     const uint8_t *wq;                                                                                         \
     const uint16_t *wd, *wm;                                                                                   \
     const T *bias;                                                                                             \
@@ -2363,13 +2504,13 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
     int64_t m = J->m, k = J->k, n = J->n, nb = k / 32;                                                         \
     int64_t c0 = (t / nrt) * A8_COLS, c1 = c0 + A8_COLS < n ? c0 + A8_COLS : n;                                \
     int64_t r0 = (t % nrt) * A8_ROWS, r1 = r0 + A8_ROWS < m ? r0 + A8_ROWS : m;                                \
-    float sc[8 * nb]; /* R * C <= 8 */                                                                         \
+    float sc[8 * ((nb + 7) / 8 * 8)]; /* R * C <= 8 */                                                         \
     for (int64_t r = r0; r < r1;) {                                                                            \
         int R = r1 - r >= 4 ? 4 : (int)(r1 - r), CT = R > 2 ? 2 : 4; /* 4 x 2 tiles, the last rows 3 x 2 ... */ \
         for (int64_t c = c0; c < c1;) {                                                                        \
             int C = c1 - c >= CT ? CT : 1; /* the last columns one at a time */                                \
             float res[A8_RR * A8_CG];                                                                          \
-            a8_tile_any(J->fmt, J->xq + r * k, J->xd + r * nb, k, J->wq, J->wd, c, R, C, sc, res);             \
+            a8_tile_any(J->fmt, J->xq + r * J->ldq, J->ldq, J->xd + r * nb, k, J->wq, J->wd, c, R, C, sc, res); \
             for (int i = 0; i < R; i++)                                                                        \
                 for (int j = 0; j < C; j++) {                                                                  \
                     float v = res[i * C + j];                                                                  \
@@ -2385,15 +2526,15 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
 static int a8_linear_##SUF(int fmt, const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wq,          \
                            const uint16_t *wd, const uint16_t *wm, int64_t n, const T *bias, T *out,           \
                            int64_t ldo) {                                                                      \
-    int64_t nb = k / 32;                                                                                       \
-    size_t qbytes = (size_t)(m * k + 31) / 32 * 32, need = qbytes + 2 * sizeof(float) * (size_t)(m * nb);     \
+    int64_t nb = k / 32, ldq = fmt == GGUF_Q41 ? 64 * ((nb + 1) / 2) : k;                                      \
+    size_t qbytes = (size_t)(m * ldq + 31) / 32 * 32, need = qbytes + 2 * sizeof(float) * (size_t)(m * nb);   \
     _Alignas(32) char stack[A8_STACK];                                                                         \
     char *buf = need <= A8_STACK ? stack : (char *)malloc(need);                                               \
     if (!buf) return 0;                                                                                        \
     int8_t *xq = (int8_t *)buf;                                                                                \
     float *xd = (float *)(buf + qbytes), *xs = xd + m * nb;                                                    \
-    a8_quantize_##SUF(x, m, k, ldx, xq, xd, xs);                                                               \
-    a8_job_##SUF J = {fmt, xq, xd, xs, m, k, n, ldo, wq, wd, wm, bias, out};                                   \
+    a8_quantize_into_##SUF(x, m, k, ldx, xq, ldq, fmt == GGUF_Q41, xd, xs);                                    \
+    a8_job_##SUF J = {fmt, xq, xd, xs, m, k, n, ldo, ldq, wq, wd, wm, bias, out};                              \
     int64_t nrt = (m + A8_ROWS - 1) / A8_ROWS, ntask = (n + A8_COLS - 1) / A8_COLS * nrt;                      \
     if (m * n * k < A8_PAR_MIN_WORK || MAX_THREADS() == 1) {                                                   \
         for (int64_t t = 0; t < ntask; t++) a8_task_##SUF(&J, t, nrt);                                         \
