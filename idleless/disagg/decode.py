@@ -49,6 +49,11 @@ from idleless.engine.request import FinishReason, Request, RequestError, Request
 
 log = logging.getLogger("idleless.disagg")
 
+#: an idle decode engine whose only work is layer-wise pulls waits this long (ms) per loop for their
+#: messages (which end the wait at once): a prefill takes seconds, and a shorter wait makes the engine
+#: loop spin beside the prefill engine's compute (a frontend message waits at most this long)
+LAYERWISE_IDLE_WAIT_MS = 25
+
 
 @dataclass(eq=False)
 class _Read:
@@ -236,6 +241,8 @@ class DecodeConnector(KVConnector):
             else:
                 reads.append(p)
         wait_ms = 0 if self.sched.has_work() else 5  # nothing else to do: wait a little, do not spin
+        if wait_ms and all(p.layerwise for p in self.pending.values()):
+            wait_ms = LAYERWISE_IDLE_WAIT_MS
         if len(reads) == len(self.pending):
             wait([p.read.future for p in reads], timeout=wait_ms / 1000, return_when=FIRST_COMPLETED)
             ready = {}
