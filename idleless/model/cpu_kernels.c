@@ -2161,20 +2161,21 @@ DEFINE_LUT8(bf16, uint16_t)
  * A Q4_1 block (step d_w, minimum m_w, codes u 0..15) times an activation block is then
  *   sum_i (d_w u_i + m_w) d_x q_i = (d_w d_x) sum_i u_i q_i + m_w s_x,
  * a Q8_0 block (d_w, codes q_w) (d_w d_x) sum_i q_w,i q_i. The integer sums are exact; the float order
- * is fixed: per block, eight int32 lanes, lane l the sum of the products of features 4l .. 4l + 3 of the
- * block, each converted (exactly) and fused-multiply-added with d_w * d_x into lane l's float32
- * accumulator, blocks in order from 0; the lanes summed in hsum8's tree. Q4_1's m_w s_x terms likewise in
- * eight float32 lanes, lane l a fused-multiply-add chain over blocks l, l + 8, ... (a8_minima), added after:
+ * is fixed: eight float32 lanes per output, each an int32 partial sum of a block converted (exactly) and
+ * fused-multiply-added with that block's d_w * d_x, in block order from 0; the lanes summed in hsum8's
+ * tree. Q8_0: per block, lane l = features 4l .. 4l + 3. Q4_1: blocks in pairs (2p, 2p + 1; an odd last
+ * block alone, lanes 4..7 then adding 0 * 0), lanes 0..3 block 2p and 4..7 block 2p + 1, lane l of a block
+ * = features 4l .. 4l + 3 and 16 + 4l .. 16 + 4l + 3 (a8_tile_q41). Q4_1's m_w s_x terms likewise in eight
+ * float32 lanes, lane l a fused-multiply-add chain over blocks l, l + 8, ... (a8_minima), added after:
  *   out[r, c] = T(hsum8(acc) [+ minima] + bias[c]).
- * AVX2: the 32 codes of a block in one vector (Q4_1's byte j holds features j and j + 16, so [low nibbles |
- * high nibbles] is k order), vpmaddubsw (unsigned codes times signed activations, pairs: no int16
- * overflow, 15 * 127 * 2 and 128 * 127 * 2 < 32767; Q8_0's signed codes through the sign trick
- * |q_w| * sign(q_x, q_w)), vpmaddwd with ones into the eight lanes; the scalar build computes the same
- * lanes with fmaf, so both give the same bits. An output's chain never depends on the other rows of the
- * call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns (fewer
- * rows: 2 or 1 x 4) decode each weight block once per tile and load each activation block once per tile;
- * thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
- * weight once). */
+ * AVX2: vpmaddubsw (unsigned times signed bytes, pairs: no int16 overflow, 15 * 127 * 2 and 128 * 127 * 2
+ * < 32767; Q8_0's signed codes through the sign trick |q_w| * sign(q_x, q_w); Q4_1's two nibble halves
+ * added as int16, at most 4 * 15 * 127), vpmaddwd with ones into the eight lanes; the scalar build computes
+ * the same lanes with fmaf, so both give the same bits. An output's chain never depends on the other rows
+ * of the call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns
+ * (fewer rows: 2 or 1 x 4) decode each weight block once per tile and load each activation block once per
+ * tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
+ * weight once); the weight is prefetched A8_AHEAD columns ahead. */
 #define A8_RR 4       /* most rows per register tile (4 x 2; 2 x 4 and 1 x 4 for fewer rows) */
 #define A8_CG 4       /* most columns per register tile */
 #define A8_COLS 16    /* output columns per thread task */
@@ -2217,37 +2218,28 @@ static inline float a8_minima(const uint16_t *wm, const float *xs, int64_t nb) {
 static inline int64_t a8_pair_at(int64_t b, int e) { return 64 * (b / 2) + 32 * (e / 16) + 16 * (b % 2) + e % 16; }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256i a8_codes(int fmt, const uint8_t *wq, int64_t i) { /* block i's 32 codes, k order */
-    if (fmt == GGUF_Q41) {
-        __m128i lo = _mm_loadu_si128((const __m128i *)(wq + 16 * i));
-        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_srli_epi16(lo, 4), 1);
-        return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-    }
-    return _mm256_loadu_si256((const __m256i *)(wq + 32 * i));
-}
 #ifndef A8_AHEAD
 #define A8_AHEAD 8 /* software prefetch of the weight block this many columns ahead (the next tiles') */
 #endif
-#define A8_PREFETCH(fmt, wq, i) _mm_prefetch((const char *)((wq) + ((fmt) == GGUF_Q41 ? 16 : 32) * (i)), _MM_HINT_T0)
-/* the eight lanes of one block's integer dot product, converted to float32 (exact) */
-static inline __attribute__((always_inline)) __m256 a8_lanes(int fmt, __m256i w, __m256i wa, __m256i x) {
-    __m256i p = fmt == GGUF_Q41 ? _mm256_maddubs_epi16(w, x) : _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w));
+/* the eight lanes of one Q8_0 block's integer dot product (sign trick), converted to float32 (exact) */
+static inline __attribute__((always_inline)) __m256 a8_lanes(__m256i w, __m256i wa, __m256i x) {
+    __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
-/* rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc);
+/* Q8_0: rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc);
  * sc: room for R * C * nb floats (the block scales d_w * d_x, computed first). Named accumulators (an
  * array of them was kept in memory by the compiler); R, C constants where inlined: 1-2 x 4, 3-4 x 2. */
 #define A8_ACC(r, j)                                                                                       \
     if (R > r && C > j)                                                                                    \
-        a##r##j = _mm256_fmadd_ps(a8_lanes(fmt, w##j, wa##j, x##r),                                        \
-                                  _mm256_broadcast_ss(sc + (r * C + j) * nb + b), a##r##j);
+        a##r##j = _mm256_fmadd_ps(a8_lanes(w##j, wa##j, x##r), _mm256_broadcast_ss(sc + (r * C + j) * nb + b), \
+                                  a##r##j);
 #define A8_CODES(j)                                                                                        \
     if (C > j) {                                                                                           \
-        A8_PREFETCH(fmt, wq, (c0 + j + A8_AHEAD) * nb + b);                                                \
-        w##j = a8_codes(fmt, wq, (c0 + j) * nb + b);                                                       \
-        if (fmt == GGUF_Q80) wa##j = _mm256_sign_epi8(w##j, w##j);                                         \
+        _mm_prefetch((const char *)(wq + 32 * ((c0 + j + A8_AHEAD) * nb + b)), _MM_HINT_T0);               \
+        w##j = _mm256_loadu_si256((const __m256i *)(wq + 32 * ((c0 + j) * nb + b)));                       \
+        wa##j = _mm256_sign_epi8(w##j, w##j);                                                              \
     }
-static inline __attribute__((always_inline)) void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k,
+static inline __attribute__((always_inline)) void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k,
                                                           const uint8_t *wq, const uint16_t *wd, int64_t c0,
                                                           int R, int C, float *sc, float *res) {
     int64_t nb = k / 32;
@@ -2322,8 +2314,8 @@ static inline __attribute__((always_inline)) void a8_tile_q41(const int8_t *xq, 
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
 #else
-static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
-                           const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
+static inline void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
+                               const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     int64_t nb = k / 32;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) {
@@ -2331,14 +2323,11 @@ static inline void a8_tile(int fmt, const int8_t *xq, const float *xd, int64_t k
             a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc);
             for (int64_t b = 0; b < nb; b++) {
                 int64_t i = (c0 + j) * nb + b;
-                int w[32];
-                for (int e = 0; e < 32; e++)
-                    w[e] = fmt == GGUF_Q41 ? (e < 16 ? wq[16 * i + e] & 0x0f : wq[16 * i + e - 16] >> 4)
-                                           : (int)((const int8_t *)wq)[32 * i + e];
+                const int8_t *w = (const int8_t *)wq + 32 * i;
                 const int8_t *x = xq + r * k + 32 * b;
                 for (int l = 0; l < 8; l++) {
                     int32_t s = 0;
-                    for (int e = 4 * l; e < 4 * l + 4; e++) s += w[e] * (int32_t)x[e];
+                    for (int e = 4 * l; e < 4 * l + 4; e++) s += (int32_t)w[e] * (int32_t)x[e];
                     acc[l] = __builtin_fmaf((float)s, sc[b], acc[l]);
                 }
             }
@@ -2387,7 +2376,7 @@ static inline void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd, i
     default: CALL(1, 1); break;                                                                            \
     }
 #define A8_CALL_Q41(RR, CC) a8_tile_q41(xq, ldq, xd, k / 32, wq, wd, c0, RR, CC, sc, res)
-#define A8_CALL_Q80(RR, CC) a8_tile(GGUF_Q80, xq, xd, k, wq, wd, c0, RR, CC, sc, res)
+#define A8_CALL_Q80(RR, CC) a8_tile_q80(xq, xd, k, wq, wd, c0, RR, CC, sc, res)
 /* a register tile of R rows x C columns: (4 or 3) x 2, (2 or 1) x 4, or any R x 1; xq rows ldq apart
  * (Q4_1: the pair layout, a8_pair_at; Q8_0: k) */
 static void a8_tile_any(int fmt, const int8_t *xq, int64_t ldq, const float *xd, int64_t k, const uint8_t *wq,
