@@ -258,3 +258,22 @@ def test_int8_kv_streams_its_scales_layer_by_layer(model_dir):
     _idle_and_clean(prefill)
     decode.kv_connector.close()
     prefill.kv_connector.close()
+
+
+def test_a_closed_prefill_connection_ends_the_pull_at_once(model_dir):
+    """P's transfer port closes mid-stream (its process died): D's pull fails on the closed
+    connection, not at its 30 s timeout, and D's slots are free."""
+    prefill = _prefill(model_dir)
+    decode = _core(model_dir, disaggregation_mode="decode", pd_fallback="error")
+    p_req, d_req = _legs(prefill, "t10", PROMPT, "d10")
+    prefill.add_request(p_req)
+    decode.add_request(d_req)
+    _streamed(prefill, "d10")
+    prefill.step()  # the first chunk, layer by layer
+    _until(lambda: decode.kv_connector.stats()["num_layer_messages"] > 0, decode.step, "no layer reached D")
+    prefill.kv_connector.close()  # P is not stepped again
+    got = _run([decode], [], limit_s=20)  # D's timeout is 30 s: only the closed connection ends it in time
+    (out,) = got["d10"]
+    assert out.finished and out.code == "kv_transfer_failed" and "closed" in out.error
+    _idle_and_clean(decode)
+    decode.kv_connector.close()

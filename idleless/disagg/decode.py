@@ -26,7 +26,9 @@ pull asks for the KV layer by layer (``wire``, ``layerwise``); each ``KVL`` mess
 those slots as it arrives, between steps, and when every layer has reached the end the prefix is
 inserted into the radix tree and the request queued as above. Until then the slots belong to the
 pull; every way a pull ends frees them. A prefill engine that had already finished answers with
-one ``KV`` message, taken as above.
+one ``KV`` message, taken as above. Such a pull waits for seconds (the prefill), so its socket is
+watched: a connection to the prefill engine that closes (its process died) ends the pull at once
+instead of at the timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import zmq
 
 from idleless.cache.base import CacheHandle
 from idleless.disagg import mooncake, timing, wire
+from zmq.utils.monitor import recv_monitor_message
+
 from idleless.disagg.connector import KVConnector
 from idleless.engine.admission import check_request
 from idleless.engine.messages import ErrorOutput
@@ -81,6 +85,7 @@ class _Pull:
     slots: Optional[torch.Tensor] = None  # layer-wise: int64 [want - skip], the pull's own until it ends
     received: Optional[list[int]] = None  # layer-wise: per layer, the position its KV has reached
     layerwise: bool = False  # asked layer by layer (whatever the backend, the KV comes on the ZMQ wire)
+    monitor: Any = None  # layer-wise: the socket's monitor, reporting a closed connection
 
 
 @dataclass(eq=False)
@@ -178,6 +183,7 @@ class DecodeConnector(KVConnector):
             p.layerwise = True
             header["layerwise"] = True  # the KV comes layer by layer, many messages: queue them all
             sock.setsockopt(zmq.RCVHWM, 0)
+            p.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self.counters["num_layerwise"] += 1
         sock.connect(peer)
         if self.mc is not None and not p.layerwise:  # P keeps the KV readable until a read before our deadline is over
@@ -238,6 +244,8 @@ class DecodeConnector(KVConnector):
         for p in self.pending.values():
             if p.read is None:
                 poller.register(p.sock, zmq.POLLIN)
+                if p.monitor is not None:
+                    poller.register(p.monitor, zmq.POLLIN)
             else:
                 reads.append(p)
         wait_ms = 0 if self.sched.has_work() else 5  # nothing else to do: wait a little, do not spin
@@ -258,6 +266,8 @@ class DecodeConnector(KVConnector):
                 except zmq.Again:
                     break
                 self._receive(p, frames)
+            if p.monitor is not None and p.monitor in ready and self.pending.get(rid) is p:
+                self._watch(p)
         now = time.monotonic()
         for p in list(self.pending.values()):
             if now >= p.deadline:
@@ -307,6 +317,18 @@ class DecodeConnector(KVConnector):
             self._start_read(p, info, n, head)
             return
         self._complete(p, n, tensors, head)
+
+    def _watch(self, p: _Pull) -> None:
+        """Read the pull socket's monitor: a closed connection to the prefill engine ends the pull."""
+        while True:
+            try:
+                event = recv_monitor_message(p.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._fail(p, f"the connection to the prefill engine at {p.peer} closed before its KV was "
+                           "complete", "kv_transfer_failed")
+                return
 
     def _write_layers(self, p: _Pull, head: dict, frames) -> None:
         """Write one ``KVL`` message into the pull's slots; the last one completes the pull. Raises
@@ -407,8 +429,8 @@ class DecodeConnector(KVConnector):
     def _enqueue(self, p: _Pull, handle: CacheHandle, head: dict) -> None:
         """The pull is complete (its prefix inserted and locked under ``handle``): queue the request."""
         del self.pending[p.req.rid]
-        p.sock.close()  # with its LINGER: 0, or 1 s for a mooncake release to leave
         p.slots = None  # the tree's now
+        self._close_sockets(p)
         imported = time.monotonic()
         c = self.counters
         c["num_transfers"] += 1
@@ -487,8 +509,16 @@ class DecodeConnector(KVConnector):
         for rid in [r for r in self.queued if r not in waiting]:
             self.sched.cache.unlock(self.queued.pop(rid))
 
-    def _close(self, p: _Pull) -> None:
+    @staticmethod
+    def _close_sockets(p: _Pull) -> None:
+        if p.monitor is not None:
+            p.sock.disable_monitor()
+            p.monitor.close(0)
+            p.monitor = None
         p.sock.close()  # with its LINGER (0 unless a mooncake release is on its way)
+
+    def _close(self, p: _Pull) -> None:
+        self._close_sockets(p)
         self.sched.cache.unlock(p.handle)
         if p.slots is not None:  # layer-wise: the slots received into, never inserted
             self.pool.free(p.slots)
