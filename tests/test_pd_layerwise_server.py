@@ -2,8 +2,9 @@
 router --pd-disaggregation --pd-layerwise`` on 127.0.0.1 with the bundled SmolLM2. The router starts
 both legs at once; the decode server receives the KV layer by layer while the prefill server computes
 it. Reference: the decode server answering alone (deterministic inference: bitwise). Then the prefill
-server is SIGKILLed while it streams a long prompt: the request still ends (the decode server
-recomputes after its --disaggregation-timeout) and the decode server holds no slot afterwards.
+server is SIGKILLed while it streams a long prompt: the request still ends (the decode server sees
+the connection close, or at worst its --disaggregation-timeout passes, and recomputes) and the decode
+server holds no slot afterwards.
 """
 
 from __future__ import annotations
