@@ -361,12 +361,25 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
                 for (int r = 0; r < 8; r++) _mm256_storeu_ps(kt[c + r], x[r]);                          \
             }                                                                                           \
             for (int64_t g = 0; g < grp; g++) {                                                         \
+                /* the 16 partial sums in two passes of 8 (16 accumulators would not fit the 16 ymm   \
+                 * registers), each over the dims in order; then their sum in the scalar order */      \
                 __m256 p[16];                                                                           \
-                for (int l = 0; l < 16; l++) p[l] = _mm256_setzero_ps();                                \
-                for (int64_t i = 0; i < d; i += 16)                                                     \
-                    for (int l = 0; l < 16; l++)                                                        \
-                        p[l] = _mm256_add_ps(p[l], _mm256_mul_ps(_mm256_set1_ps(qf[g][i + l]),          \
-                                                                 _mm256_loadu_ps(kt[i + l])));          \
+                for (int h = 0; h < 16; h += 8) {                                                       \
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+                    for (int64_t i = h; i < d; i += 16) {                                               \
+                        const float *qg = qf[g] + i;                                                    \
+                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(qg[0]), _mm256_loadu_ps(kt[i])));     \
+                        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_set1_ps(qg[1]), _mm256_loadu_ps(kt[i + 1]))); \
+                        a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_set1_ps(qg[2]), _mm256_loadu_ps(kt[i + 2]))); \
+                        a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_set1_ps(qg[3]), _mm256_loadu_ps(kt[i + 3]))); \
+                        a4 = _mm256_add_ps(a4, _mm256_mul_ps(_mm256_set1_ps(qg[4]), _mm256_loadu_ps(kt[i + 4]))); \
+                        a5 = _mm256_add_ps(a5, _mm256_mul_ps(_mm256_set1_ps(qg[5]), _mm256_loadu_ps(kt[i + 5]))); \
+                        a6 = _mm256_add_ps(a6, _mm256_mul_ps(_mm256_set1_ps(qg[6]), _mm256_loadu_ps(kt[i + 6]))); \
+                        a7 = _mm256_add_ps(a7, _mm256_mul_ps(_mm256_set1_ps(qg[7]), _mm256_loadu_ps(kt[i + 7]))); \
+                    }                                                                                   \
+                    p[h] = a0; p[h + 1] = a1; p[h + 2] = a2; p[h + 3] = a3;                             \
+                    p[h + 4] = a4; p[h + 5] = a5; p[h + 6] = a6; p[h + 7] = a7;                         \
+                }                                                                                       \
                 __m256 s = _mm256_setzero_ps();                                                         \
                 for (int l = 0; l < 16; l++) s = _mm256_add_ps(s, p[l]);                                \
                 s = _mm256_mul_ps(s, _mm256_loadu_ps(kf8));                                             \
@@ -404,21 +417,29 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
                 tot += sg[jj];                                                                          \
             }                                                                                           \
             sum[g] = tot;                                                                               \
-            for (int64_t i = 0; i < d; i++) acc[g][i] = 0.f;                                            \
         }                                                                                               \
-        for (j = 0; j < len; j++) {                                                                     \
-            int64_t at = (sl[j] * nkv + kh) * d;                                                        \
-            float vs = v_scale ? v_scale[sl[j] * nkv + kh] : 1.f;                                       \
-            __m256 pj[grp];                                                                             \
+        /* p.v: for 8 dims and up to 4 query heads at a time, the keys in order into registers */       \
+        if (v_scale)                                                                                    \
             for (int64_t g = 0; g < grp; g++)                                                           \
-                pj[g] = _mm256_set1_ps(v_scale ? sc[g * len + j] * vs : sc[g * len + j]);               \
-            for (int64_t c = 0; c < d; c += 8) {                                                        \
-                __m256 vv = dec_row8(v_cache, at + c, lut, BF16);                                       \
-                for (int64_t g = 0; g < grp; g++)                                                       \
-                    _mm256_storeu_ps(acc[g] + c, _mm256_add_ps(_mm256_loadu_ps(acc[g] + c),             \
-                                                               _mm256_mul_ps(pj[g], vv)));              \
+                for (j = 0; j < len; j++) sc[g * len + j] *= v_scale[sl[j] * nkv + kh];                 \
+        for (int64_t c = 0; c < d; c += 8)                                                              \
+            for (int64_t g0 = 0; g0 < grp; g0 += 4) {                                                   \
+                int64_t ng = grp - g0 < 4 ? grp - g0 : 4;                                               \
+                const float *s0 = sc + g0 * len, *s1 = s0 + (ng > 1 ? len : 0);                         \
+                const float *s2 = s0 + (ng > 2 ? 2 * len : 0), *s3 = s0 + (ng > 3 ? 3 * len : 0);       \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                             \
+                for (j = 0; j < len; j++) {                                                             \
+                    __m256 vv = dec_row8(v_cache, (sl[j] * nkv + kh) * d + c, lut, BF16);               \
+                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(s0[j]), vv));                   \
+                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_set1_ps(s1[j]), vv));                   \
+                    a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_set1_ps(s2[j]), vv));                   \
+                    a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_set1_ps(s3[j]), vv));                   \
+                }                                                                                       \
+                _mm256_storeu_ps(acc[g0] + c, a0);                                                      \
+                if (ng > 1) _mm256_storeu_ps(acc[g0 + 1] + c, a1);                                      \
+                if (ng > 2) _mm256_storeu_ps(acc[g0 + 2] + c, a2);                                      \
+                if (ng > 3) _mm256_storeu_ps(acc[g0 + 3] + c, a3);                                      \
             }                                                                                           \
-        }                                                                                               \
         for (int64_t g = 0; g < grp; g++) {                                                             \
             int64_t hd = kh * grp + g;                                                                  \
             float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                                  \
