@@ -303,6 +303,27 @@ static int decode_attn_bf16_avx512(const uint16_t *q, int64_t q_stride, const in
 #else
 #define FAST_DECODE_bf16(...) FAST_DECODE_AVX2_bf16(__VA_ARGS__)
 #endif
+/* decode attention's last step for one (request, KV head): query head kh * grp + g writes output row orow,
+ * acc[g] / sum[g] (zeros without keys), and its log-sum-exp mx[g] + log(sum[g]) (-inf without keys);
+ * acc [grp][d] */
+#define DEFINE_DEC_OUT(SUF, T)                                                                          \
+static inline void dec_out_##SUF(int64_t grp, int64_t d, const float *acc, const float *mx, const float *sum, \
+                                 int64_t len, int64_t kh, int64_t nh, int64_t orow, float *out_f, T *out_t, \
+                                 float *lse) {                                                          \
+    for (int64_t g = 0; g < grp; g++) {                                                                 \
+        int64_t hd = kh * grp + g;                                                                      \
+        float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                                      \
+        for (int64_t i = 0; i < d; i++) {                                                               \
+            float o = acc[g * d + i] * inv;                                                             \
+            if (out_f) out_f[(orow * nh + hd) * d + i] = o;                                             \
+            else ST_##SUF(out_t + (orow * nh + hd) * d + i, o);                                         \
+        }                                                                                               \
+        if (lse) lse[orow * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;                      \
+    }                                                                                                   \
+}
+DEFINE_DEC_OUT(f32, float)
+DEFINE_DEC_OUT(bf16, uint16_t)
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* decode_attn (and decode_attn_q8) on AVX2 with the scalar kernels' IEEE operations in their order (so every
  * build gives the same bits): q.k for 8 keys at once, lane = key (8 K rows transposed 8 x 8 into kt), the
@@ -440,16 +461,7 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
                 if (ng > 2) _mm256_storeu_ps(acc[g0 + 2] + c, a2);                                      \
                 if (ng > 3) _mm256_storeu_ps(acc[g0 + 3] + c, a3);                                      \
             }                                                                                           \
-        for (int64_t g = 0; g < grp; g++) {                                                             \
-            int64_t hd = kh * grp + g;                                                                  \
-            float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                                  \
-            for (int64_t i = 0; i < d; i++) {                                                           \
-                float o = acc[g][i] * inv;                                                              \
-                if (out_f) out_f[(orow[b] * nh + hd) * d + i] = o;                                      \
-                else ST_##SUF(out_t + (orow[b] * nh + hd) * d + i, o);                                  \
-            }                                                                                           \
-            if (lse) lse[orow[b] * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;               \
-        }                                                                                               \
+        dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);          \
     }                                                                                                   \
     }                                                                                                   \
     free(sc_all);                                                                                       \
@@ -626,16 +638,7 @@ void decode_attn_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const 
                     for (int64_t i = 0; i < d; i++) acc[g][i] += pj * kf[i];                          \
                 }                                                                                     \
             }                                                                                         \
-            for (int64_t g = 0; g < grp; g++) {                                                       \
-                int64_t hd = kh * grp + g;                                                            \
-                float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                            \
-                for (int64_t i = 0; i < d; i++) {                                                     \
-                    float o = acc[g][i] * inv;                                                        \
-                    if (out_f) out_f[(orow[b] * nh + hd) * d + i] = o;                                \
-                    else ST_##SUF(out_t + (orow[b] * nh + hd) * d + i, o);                            \
-                }                                                                                     \
-                if (lse) lse[orow[b] * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;         \
-            }                                                                                         \
+            dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);      \
         }                                                                                             \
     }                                                                                                 \
     }                                                                                                 \
@@ -1730,16 +1733,7 @@ void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, con
                     for (int64_t i = 0; i < d; i++) acc[g][i] += pj * kf[i];                                   \
                 }                                                                                              \
             }                                                                                                  \
-            for (int64_t g = 0; g < grp; g++) {                                                                \
-                int64_t hd = kh * grp + g;                                                                     \
-                float inv = len > 0 ? 1.0f / sum[g] : 0.f;                                                     \
-                for (int64_t i = 0; i < d; i++) {                                                              \
-                    float o = acc[g][i] * inv;                                                                 \
-                    if (out_f) out_f[(orow[b] * nh + hd) * d + i] = o;                                         \
-                    else ST_##SUF(out_t + (orow[b] * nh + hd) * d + i, o);                                     \
-                }                                                                                              \
-                if (lse) lse[orow[b] * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;                  \
-            }                                                                                                  \
+            dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);      \
         }                                                                                                      \
     }                                                                                                          \
     }                                                                                                          \
@@ -2203,6 +2197,7 @@ DEFINE_LUT8(bf16, uint16_t)
 #define A8_ROWS 32    /* rows per thread task */
 #define A8_STACK 16384 /* activation codes and scales up to this many bytes live on the stack */
 #define A8_PAR_MIN_WORK PAR_MIN_WORK /* m * n * k from which threads split the output columns */
+#define A8_AHEAD 8    /* software prefetch of the weight this many columns ahead (the next tiles') */
 
 /* the scales d_w * d_x of blocks 0 .. nb of weight row wd and activation row xd (float32 products) */
 static inline void a8_scales(const uint16_t *wd, const float *xd, int64_t nb, float *sc) {
@@ -2233,15 +2228,24 @@ static inline float a8_minima(const uint16_t *wm, const float *xs, int64_t nb) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
+/* prefetch the float16 factors (steps wd, Q4_1's minima wm) of columns c .. c + C: read once per tile, far
+ * apart in time, they missed the caches where the codes' stream did not */
+static inline void a8_prefetch_factors(const uint16_t *wd, const uint16_t *wm, int64_t c, int C, int64_t nb,
+                                       int64_t n) {
+    if (c >= n) return;
+    int64_t bytes = 2 * (c + C <= n ? C : n - c) * nb;
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch((const char *)(wd + c * nb) + off);
+        if (wm) __builtin_prefetch((const char *)(wm + c * nb) + off);
+    }
+}
+
 /* Q4_1's activation layout: blocks in pairs, 64 bytes per pair: features 0..15 of block 2p, of block 2p + 1,
  * then 16..31 of block 2p, of block 2p + 1 (the order of the weight's nibbles two blocks at a time); the
  * offset of feature e of block b in a row */
 static inline int64_t a8_pair_at(int64_t b, int e) { return 64 * (b / 2) + 32 * (e / 16) + 16 * (b % 2) + e % 16; }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#ifndef A8_AHEAD
-#define A8_AHEAD 8 /* software prefetch of the weight block this many columns ahead (the next tiles') */
-#endif
 /* the eight lanes of one Q8_0 block's integer dot product (sign trick), converted to float32 (exact) */
 static inline __attribute__((always_inline)) __m256 a8_lanes(__m256i w, __m256i wa, __m256i x) {
     __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w));
@@ -2519,6 +2523,7 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
         int R = r1 - r >= 4 ? 4 : (int)(r1 - r), CT = R > 2 ? 2 : 4; /* 4 x 2 tiles, the last rows 3 x 2 ... */ \
         for (int64_t c = c0; c < c1;) {                                                                        \
             int C = c1 - c >= CT ? CT : 1; /* the last columns one at a time */                                \
+            if (r == r0) a8_prefetch_factors(J->wd, J->wm, c + A8_AHEAD, C, nb, n);                           \
             float res[A8_RR * A8_CG];                                                                          \
             a8_tile_any(J->fmt, J->xq + r * J->ldq, J->ldq, J->xd + r * nb, k, J->wq, J->wd, c, R, C, sc, res); \
             for (int i = 0; i < R; i++)                                                                        \
