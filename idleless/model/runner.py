@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -171,6 +172,11 @@ class ModelRunner:
         # text; raises QuantizationGateError past --max-quantization-kl (idleless.quant.gate)
         from idleless.quant.gate import precision_report
         self.precision = precision_report(self)
+        # the model, pool and tables live as long as the runner: move them out of the garbage collector's
+        # generations, so the collections a decode step's allocations trigger no longer walk them (as vLLM
+        # and SGLang freeze after start-up)
+        gc.collect()
+        gc.freeze()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
