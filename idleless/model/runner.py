@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -177,6 +178,7 @@ class ModelRunner:
         # and SGLang freeze after start-up)
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)  # frozen objects are never freed at exit (extension modules report leaks)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
