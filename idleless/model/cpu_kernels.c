@@ -2410,6 +2410,75 @@ static void a8_tile_any(int fmt, const int8_t *xq, int64_t ldq, const float *xd,
     else { A8_TILE_RC(A8_CALL_Q80) }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define A8_WIDE 8 /* Q4_1 columns per one-row tile (a8_row8_q41) */
+/* the sums of eight vectors v[0..8) in hsum8's tree at once: lane j = hsum8(v[j]) (a transpose-add: lanes
+ * l + (l + 4) of v[j] and v[j + 4] in one vector, then the pairs (h0 + h2), (h1 + h3), then their sum) */
+static inline __attribute__((always_inline)) __m256 a8_hsum8x8(const __m256 *v) {
+    __m256 t[4];
+    for (int j = 0; j < 4; j++)
+        t[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[j], v[j + 4], 0x20), _mm256_permute2f128_ps(v[j], v[j + 4], 0x31));
+    __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xee));
+    __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xdd));
+}
+/* Q4_1, one row times the 8 columns c0 .. c0 + 8, the same lanes, chains and trees as a8_tile_q41 plus
+ * a8_minima (so the same bits): out[j] = hsum8(acc_j) + minima_j. For one row (batch-1 decode) the work
+ * around the integer dot products is shared by the 8 columns: their float16 steps and minima (8 nb
+ * contiguous values each) converted in one pass, the step products d_w d_x formed in registers (xpair[p]
+ * = d_x of blocks 2p (lanes 0..3) and 2p + 1 (lanes 4..7), zero past the last block), the minima terms as
+ * one small GEMV against xsp (the row's s_x, zero-padded to a multiple of 8), the 16 horizontal sums as
+ * two transpose-adds. */
+static inline void a8_row8_q41(const int8_t *xq, const __m256 *xpair, const float *xsp, int64_t nb,
+                               const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, int64_t c0, float *out) {
+    float dwf[A8_WIDE * nb + 8], mwf[A8_WIDE * nb + 8];
+    const uint16_t *d8 = wd + c0 * nb, *m8 = wm + c0 * nb;
+    for (int64_t i = 0; i < A8_WIDE * nb; i += 8) {
+        _mm256_storeu_ps(dwf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d8 + i))));
+        _mm256_storeu_ps(mwf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m8 + i))));
+    }
+    _mm256_storeu_ps(dwf + A8_WIDE * nb, _mm256_setzero_ps());
+    _mm256_storeu_ps(mwf + A8_WIDE * nb, _mm256_setzero_ps());
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const uint8_t *w8 = wq + 16 * c0 * nb;
+    __m256 acc[A8_WIDE];
+    for (int j = 0; j < A8_WIDE; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t p = 0; 2 * p < nb; p++) {
+        int tail = 2 * p + 1 == nb; /* an odd last block: its codes alone, lanes 4..7 zero times zero */
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p)), x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
+#pragma GCC unroll 8
+        for (int j = 0; j < A8_WIDE; j++) {
+            const uint8_t *wp = w8 + 16 * (j * nb + 2 * p);
+            if (!(p & 1)) _mm_prefetch((const char *)(wp + 16 * A8_AHEAD * nb), _MM_HINT_T0);
+            __m256i v = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wp)) : _mm256_loadu_si256((const __m256i *)wp);
+            __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
+                                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)),
+                                          ones);
+            __m256 sc = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dwf + j * nb + 2 * p), pick), xpair[p]);
+            if (tail) sc = _mm256_blend_ps(sc, _mm256_setzero_ps(), 0xf0);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[j]);
+        }
+    }
+    /* the minima: lane l of column j the chain over blocks l, l + 8, ...; past nb zero times zero */
+    int64_t nf = nb / 8 * 8;
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nb - nf)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    __m256 mac[A8_WIDE];
+    for (int j = 0; j < A8_WIDE; j++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nf; b += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(mwf + j * nb + b), _mm256_loadu_ps(xsp + b), a);
+        if (nf < nb) a = _mm256_fmadd_ps(_mm256_and_ps(_mm256_loadu_ps(mwf + j * nb + nf), keep), _mm256_loadu_ps(xsp + nf), a);
+        mac[j] = a;
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(a8_hsum8x8(acc), a8_hsum8x8(mac)));
+}
+/* one row's activation factors for a8_row8_q41: xpair [(nb + 1) / 2] and xsp [nb rounded up to 8] */
+static inline void a8_row8_factors(const float *xd, const float *xs, int64_t nb, __m256 *xpair, float *xsp) {
+    for (int64_t p = 0; 2 * p < nb; p++)
+        xpair[p] = _mm256_set_m128(_mm_set1_ps(2 * p + 1 < nb ? xd[2 * p + 1] : 0.f), _mm_set1_ps(xd[2 * p]));
+    for (int64_t b = 0; b < (nb + 7) / 8 * 8; b++) xsp[b] = b < nb ? xs[b] : 0.f;
+}
+#endif
+
 /* one block of 32: its codes qb, returns its step d_x; *sum: the sum of its codes. AVX2 where the compiler
  * targets it (the same IEEE division and nearest-even rounding lane by lane), plain C otherwise */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -2462,6 +2531,28 @@ static inline float a8_block_##SUF(const T *xb, int8_t *qb, int32_t *sum) {     
     *sum = s;                                                                                                  \
     return db;                                                                                                 \
 }
+#endif
+
+/* in a8_task: a single row (R == 1) of Q4_1 in tiles of 8 columns (a8_row8_q41, the same bits as the
+ * register tiles) while 8 are left; nothing without AVX2 */
+#ifdef A8_WIDE
+#define A8_ROW8(SUF)                                                                                           \
+    if (R == 1 && J->fmt == GGUF_Q41 && c1 - c >= A8_WIDE) {                                                   \
+        __m256 xpair[(nb + 1) / 2];                                                                            \
+        float xsp[(nb + 7) / 8 * 8], res8[A8_WIDE];                                                            \
+        a8_row8_factors(J->xd + r * nb, J->xs + r * nb, nb, xpair, xsp);                                       \
+        for (; c1 - c >= A8_WIDE; c += A8_WIDE) {                                                              \
+            if (r == r0) a8_prefetch_factors(J->wd, J->wm, c + A8_AHEAD, A8_WIDE, nb, n);                      \
+            a8_row8_q41(J->xq + r * J->ldq, xpair, xsp, nb, J->wq, J->wd, J->wm, c, res8);                     \
+            for (int j = 0; j < A8_WIDE; j++) {                                                                \
+                float v = res8[j];                                                                             \
+                if (J->bias) v += LD_##SUF(J->bias + c + j);                                                   \
+                ST_##SUF(J->out + r * J->ldo + c + j, v);                                                      \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+#else
+#define A8_ROW8(SUF)
 #endif
 
 #define DEFINE_A8(SUF, T)                                                                                      \
@@ -2521,7 +2612,9 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
     float sc[8 * ((nb + 7) / 8 * 8)]; /* R * C <= 8 */                                                         \
     for (int64_t r = r0; r < r1;) {                                                                            \
         int R = r1 - r >= 4 ? 4 : (int)(r1 - r), CT = R > 2 ? 2 : 4; /* 4 x 2 tiles, the last rows 3 x 2 ... */ \
-        for (int64_t c = c0; c < c1;) {                                                                        \
+        int64_t c = c0;                                                                                        \
+        A8_ROW8(SUF)                                                                                           \
+        while (c < c1) {                                                                                       \
             int C = c1 - c >= CT ? CT : 1; /* the last columns one at a time */                                \
             if (r == r0) a8_prefetch_factors(J->wd, J->wm, c + A8_AHEAD, C, nb, n);                           \
             float res[A8_RR * A8_CG];                                                                          \
