@@ -2422,6 +2422,27 @@ static inline __attribute__((always_inline)) __m256 a8_hsum8x8(const __m256 *v) 
     __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xee));
     return _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xdd));
 }
+/* a8_row8_q41's step over block pair p of its 8 columns (w8: their codes, dwf: their steps as float32); tail:
+ * an odd last block, its codes alone, lanes 4..7 zero times zero */
+static inline __attribute__((always_inline)) void a8_row8_pair(const int8_t *xq, const uint8_t *w8, const float *dwf,
+                                                               __m256 xp, int64_t nb, int64_t p, int tail, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p)), x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
+    const uint8_t *wb = w8 + 32 * p;
+    const float *db = dwf + 2 * p;
+#pragma GCC unroll 8
+    for (int j = 0; j < A8_WIDE; j++) {
+        const uint8_t *wp = wb + 16 * j * nb;
+        _mm_prefetch((const char *)(wp + 16 * A8_AHEAD * nb), _MM_HINT_T0);
+        __m256i v = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wp)) : _mm256_loadu_si256((const __m256i *)wp);
+        __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
+                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)),
+                                      ones);
+        __m256 sc = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(db + j * nb), pick), xp);
+        if (tail) sc = _mm256_blend_ps(sc, _mm256_setzero_ps(), 0xf0);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[j]);
+    }
+}
 /* Q4_1, one row times the 8 columns c0 .. c0 + 8, the same lanes, chains and trees as a8_tile_q41 plus
  * a8_minima (so the same bits): out[j] = hsum8(acc_j) + minima_j. For one row (batch-1 decode) the work
  * around the integer dot products is shared by the 8 columns: their float16 steps and minima (8 nb
@@ -2439,26 +2460,12 @@ static inline void a8_row8_q41(const int8_t *xq, const __m256 *xpair, const floa
     }
     _mm256_storeu_ps(dwf + A8_WIDE * nb, _mm256_setzero_ps());
     _mm256_storeu_ps(mwf + A8_WIDE * nb, _mm256_setzero_ps());
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const uint8_t *w8 = wq + 16 * c0 * nb;
     __m256 acc[A8_WIDE];
     for (int j = 0; j < A8_WIDE; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t p = 0; 2 * p < nb; p++) {
-        int tail = 2 * p + 1 == nb; /* an odd last block: its codes alone, lanes 4..7 zero times zero */
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p)), x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
-#pragma GCC unroll 8
-        for (int j = 0; j < A8_WIDE; j++) {
-            const uint8_t *wp = w8 + 16 * (j * nb + 2 * p);
-            if (!(p & 1)) _mm_prefetch((const char *)(wp + 16 * A8_AHEAD * nb), _MM_HINT_T0);
-            __m256i v = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wp)) : _mm256_loadu_si256((const __m256i *)wp);
-            __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
-                                                           _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)),
-                                          ones);
-            __m256 sc = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dwf + j * nb + 2 * p), pick), xpair[p]);
-            if (tail) sc = _mm256_blend_ps(sc, _mm256_setzero_ps(), 0xf0);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[j]);
-        }
-    }
+    int64_t p = 0;
+    for (; 2 * p + 1 < nb; p++) a8_row8_pair(xq, w8, dwf, xpair[p], nb, p, 0, acc);
+    if (2 * p < nb) a8_row8_pair(xq, w8, dwf, xpair[p], nb, p, 1, acc); /* an odd last block */
     /* the minima: lane l of column j the chain over blocks l, l + 8, ...; past nb zero times zero */
     int64_t nf = nb / 8 * 8;
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nb - nf)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
