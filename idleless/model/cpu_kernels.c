@@ -2188,8 +2188,8 @@ DEFINE_LUT8(bf16, uint16_t)
  * added as int16, at most 4 * 15 * 127), vpmaddwd with ones into the eight lanes; the scalar build computes
  * the same lanes with fmaf, so both give the same bits. An output's chain never depends on the other rows
  * of the call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns
- * (fewer rows: 2 or 1 x 4) decode each weight block once per tile and load each activation block once per
- * tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
+ * (fewer rows: 2 or 1 x 4; a single Q4_1 row on AVX2: 8 columns, a8_row8_q41, the same chains) decode each
+ * weight block once per tile and load each activation block once per tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
  * weight once); the weight is prefetched A8_AHEAD columns ahead. */
 #define A8_RR 4       /* most rows per register tile (4 x 2; 2 x 4 and 1 x 4 for fewer rows) */
 #define A8_CG 4       /* most columns per register tile */
