@@ -132,3 +132,44 @@ def shared_server(pytestconfig, args=MAIN_ARGS, api_key: Optional[str] = MAIN_AP
     if isinstance(srv, Exception):
         raise RuntimeError(f"the shared server failed to start earlier: {srv}")
     return srv
+
+
+class PDRouter:
+    """``idleless router --pd-disaggregation`` in a subprocess in front of a prefill and a decode
+    ``ServerProcess`` (round robin), its output appended to ``<prefill log>.router``; ``extra``: more
+    router flags (``--pd-layerwise``, ...). ``start()`` waits (up to 60 s) for its /health and returns
+    its URL; ``stop()`` sends SIGTERM (SIGKILL after 20 s). Raises AssertionError when it exits or
+    does not come up."""
+
+    def __init__(self, prefill: ServerProcess, decode: ServerProcess, extra: list[str] = (),
+                 prefill_timeout_s: int = 30):
+        self.log_path = prefill.log_path + ".router"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "idleless.cli", "router", "--port", str(self.port), "--pd-disaggregation",
+                     *extra, "--prefill", prefill.url, "--decode", decode.url, "--policy", "round_robin",
+                     "--prefill-timeout-secs", str(prefill_timeout_s)]
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> str:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, open(self.log_path).read()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the PD router did not come up"
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

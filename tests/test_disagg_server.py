@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from server_harness import ServerProcess, free_port
+from server_harness import PDRouter, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,35 +29,13 @@ def pd(smollm2_dir):
     bootstrap = free_port()
     p = ServerProcess(ARGS + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)])
     d = ServerProcess(ARGS + ["--disaggregation-mode", "decode", "--disaggregation-timeout", "20"])
-    router = None
+    router = PDRouter(p, d, [], prefill_timeout_s=30)
     try:
         p.wait_ready()
         d.wait_ready()
-        port = free_port()
-        log = open(p.log_path + ".router", "wb")
-        router = subprocess.Popen([sys.executable, "-m", "idleless.cli", "router", "--port", str(port),
-                                   "--pd-disaggregation", "--prefill", p.url, "--decode", d.url,
-                                   "--policy", "round_robin", "--prefill-timeout-secs", "30"],
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert router.poll() is None, open(p.log_path + ".router").read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the PD router did not come up"
-            time.sleep(0.3)
-        yield p, d, url
+        yield p, d, router.start()
     finally:
-        if router is not None:
-            router.send_signal(signal.SIGTERM)
-            try:
-                router.wait(20)
-            except subprocess.TimeoutExpired:
-                router.kill()
+        router.stop()
         p.stop()
         d.stop()
 

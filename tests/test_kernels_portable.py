@@ -6,33 +6,16 @@ rotation, SiLU against float64), so the scalar path is checked on any machine.
 
 from __future__ import annotations
 
-import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from idleless.model import cpu_kernels
 from idleless.model.layers import RotaryEmbedding
+from kernel_builds import native_and_portable
 
 
-def _builds():
-    """{dtype: (native, portable)} or {} without a C compiler."""
-    native = {dt: cpu_kernels.load(dt) for dt in (torch.float32, torch.bfloat16)}
-    if native[torch.float32] is None:
-        return {}
-    saved = cpu_kernels.CFLAGS
-    cpu_kernels.CFLAGS = [("-march=x86-64" if f.startswith("-march") else f) for f in saved
-                          if not f.startswith("-mprefer")]
-    try:
-        so = cpu_kernels.build_library()
-    finally:
-        cpu_kernels.CFLAGS = saved
-    lib = ctypes.CDLL(str(so))
-    return {dt: (native[dt], cpu_kernels.CpuKernels(lib, dt)) for dt in native}
-
-
-BUILDS = _builds()
+BUILDS = native_and_portable()
 pytestmark = pytest.mark.skipif(not BUILDS, reason="no C compiler for the CPU kernels")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 # widths around the vector steps (8 lanes, 16 for the sum of squares), and SmolLM2-135M's own

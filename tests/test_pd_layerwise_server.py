@@ -10,15 +10,13 @@ server holds no slot afterwards.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from server_harness import ServerProcess, free_port
+from server_harness import PDRouter, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,35 +29,13 @@ def pd(smollm2_dir):
     p = ServerProcess(ARGS + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()),
                               "--chunked-prefill-size", "256"])
     d = ServerProcess(ARGS + ["--disaggregation-mode", "decode", "--disaggregation-timeout", "15"])
-    router = None
+    router = PDRouter(p, d, ["--pd-layerwise"], prefill_timeout_s=60)
     try:
         p.wait_ready()
         d.wait_ready()
-        port = free_port()
-        log = open(p.log_path + ".router", "wb")
-        router = subprocess.Popen([sys.executable, "-m", "idleless.cli", "router", "--port", str(port),
-                                   "--pd-disaggregation", "--pd-layerwise", "--prefill", p.url, "--decode", d.url,
-                                   "--policy", "round_robin", "--prefill-timeout-secs", "60"],
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert router.poll() is None, open(p.log_path + ".router").read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the PD router did not come up"
-            time.sleep(0.3)
-        yield p, d, url
+        yield p, d, router.start()
     finally:
-        if router is not None:
-            router.send_signal(signal.SIGTERM)
-            try:
-                router.wait(20)
-            except subprocess.TimeoutExpired:
-                router.kill()
+        router.stop()
         p.stop()
         d.stop()
 

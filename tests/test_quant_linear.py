@@ -12,6 +12,7 @@ from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize
 from idleless.quant.methods import (Fp8LinearMethod, Int8LinearMethod, Q4LinearMethod, Q8_0LinearMethod,
                                     W8A8LinearMethod, quantized_linear_method)
 from idleless.quant.spec import check_precision
+from kernel_builds import native_and_portable
 
 
 def test_int8_rows_by_hand():
@@ -192,28 +193,9 @@ def test_flag_values_checked_and_aliases():
 
 
 def _kernel_builds():
-    """The kernels as built for this CPU, and a portable build (-march=x86-64: no AVX2, the scalar
-    paths) made the same way, so both paths are checked on any machine."""
-    import ctypes
-
-    from idleless.model import cpu_kernels
-
-    native = cpu_kernels.load(torch.float32)
-    if native is None:
-        return []
-    flags = [f if not f.startswith("-march") else "-march=x86-64" for f in cpu_kernels.CFLAGS]
-    flags = [f for f in flags if not f.startswith("-mprefer")]
-    saved = cpu_kernels.CFLAGS
-    cpu_kernels.CFLAGS = flags
-    try:
-        so = cpu_kernels.build_library()
-    finally:
-        cpu_kernels.CFLAGS = saved
-    lib = ctypes.CDLL(str(so))
-    out = [("native", torch.float32, native), ("portable", torch.float32, cpu_kernels.CpuKernels(lib, torch.float32))]
-    bf = cpu_kernels.load(torch.bfloat16)
-    out += [("native", torch.bfloat16, bf), ("portable", torch.bfloat16, cpu_kernels.CpuKernels(lib, torch.bfloat16))]
-    return out
+    """[(build name, dtype, kernels)]: this CPU's build and the portable one, both dtypes ([] without a
+    C compiler)."""
+    return [(name, dt, k) for dt, pair in native_and_portable().items() for name, k in zip(("native", "portable"), pair)]
 
 
 KERNELS = _kernel_builds()

@@ -11,14 +11,13 @@ against its PyTorch fallback, and the precision flags that select it.
 
 from __future__ import annotations
 
-import ctypes
 
 import pytest
 import torch
 
 from conftest import TEST_THREADS, make_tiny_model
+from kernel_builds import native_and_portable
 from idleless.config import EngineConfig
-from idleless.model import cpu_kernels
 from idleless.model.linear import Linear, select_linear_method
 from idleless.quant.formats import quantize_q4_1, quantize_q8_0, unpack_q4
 from idleless.quant.methods import Q8_0A8LinearMethod, W4A8LinearMethod, quantized_linear_method
@@ -29,24 +28,7 @@ FORMATS = pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 BATCHES = (1, 7, 64, 300)
 
 
-def _builds():
-    """{dtype: (native, portable)}: the kernels built for this CPU and a -march=x86-64 build (no AVX2, the
-    scalar paths) of the same source; {} without a C compiler."""
-    native = {dt: cpu_kernels.load(dt) for dt in (torch.float32, torch.bfloat16)}
-    if native[torch.float32] is None:
-        return {}
-    saved = cpu_kernels.CFLAGS
-    cpu_kernels.CFLAGS = [("-march=x86-64" if f.startswith("-march") else f) for f in saved
-                          if not f.startswith("-mprefer")]
-    try:
-        so = cpu_kernels.build_library()
-    finally:
-        cpu_kernels.CFLAGS = saved
-    lib = ctypes.CDLL(str(so))
-    return {dt: (native[dt], cpu_kernels.CpuKernels(lib, dt)) for dt in native}
-
-
-BUILDS = _builds()
+BUILDS = native_and_portable()
 needs_kernels = pytest.mark.skipif(not BUILDS, reason="no C compiler for the CPU kernels")
 
 
