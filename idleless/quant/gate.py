@@ -156,7 +156,8 @@ def precision_report(runner) -> dict:
                     cfg.kv_cache_dtype)
         return {**report, "gate": "not_run_tensor_parallel"}
     if cfg.skip_quantization_gate:
-        log.warning("accuracy gate skipped (--skip-quantization-gate): weights %s, activations %s, KV %s are "
+        log.warning("accuracy gate skipped (--skip-quantization-gate, or a speculative draft model, whose accuracy "
+                    "is its acceptance rate): weights %s, activations %s, KV %s are "
                     "not checked against the unquantised model", runner.weight_dtype, cfg.activation_dtype,
                     cfg.kv_cache_dtype)
         return {**report, "gate": "skipped"}
