@@ -26,6 +26,9 @@ from idleless.model.weights import load_weights
 from idleless.structured.grammar import TokenMasks
 
 log = logging.getLogger(__name__)
+# runners freeze the garbage collector's view after load; frozen objects are never freed at exit, which
+# nanobind-based extensions report as leaks: unfreeze once at exit (registered once, not per runner)
+atexit.register(gc.unfreeze)
 
 
 # Prompt-logprob rows are turned into logits this many at a time (a block is [rows, vocab] float32:
@@ -178,7 +181,6 @@ class ModelRunner:
         # and SGLang freeze after start-up)
         gc.collect()
         gc.freeze()
-        atexit.register(gc.unfreeze)  # frozen objects are never freed at exit (extension modules report leaks)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
