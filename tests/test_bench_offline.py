@@ -102,6 +102,7 @@ def test_offline_bench_end_to_end(tmp_path, tiny_bench_model, capsys):
     for key in ("idleless", "hf_generate"):
         x = b[key]
         assert x["decode_tokens"] == 4 and x["decode_prompt_tokens"] == 8 and x["prefill_prompt_tokens"] == 43
+        assert x["weight_bytes"] == m["decode_weight_bytes"]  # float32 weights: both read params x 4 bytes
         assert math.isclose(x["decode_bound_tokens_per_s"], 25e9 / m["decode_weight_bytes"])
         if x["decode_tokens_per_s"] is not None:
             assert math.isclose(x["decode_tokens_per_s"], 4 / x["decode_s"])
@@ -134,3 +135,25 @@ def test_shuffle_is_seeded():
     a, b, c = offline.shuffled(items, 0), offline.shuffled(items, 0), offline.shuffled(items, 1)
     assert [x.id for x in a] == [x.id for x in b] != [x.id for x in c]
     assert sorted(x.id for x in a) == sorted(x.id for x in items)
+
+
+def test_decode_weight_bytes_count_quantised_storage(tmp_path):
+    """A quantised model's decode step reads its stored blocks, not float weights: with int8 weights
+    (per-channel symmetric: one int8 per weight + one float32 scale per output row) the cost counts
+    sum(n x k) + 4 x sum(n) over the linears and the lm_head, plus the float32 norm weights
+    (hand-computed from the shapes)."""
+    import types
+
+    from idleless.config import EngineConfig
+    from idleless.model.runner import ModelRunner
+
+    path = make_tiny_model(tmp_path, vocab_size=256, tie=True)
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", weight_dtype="int8", kv_cache_memory="2MiB",
+                                      skip_quantization_gate=True, num_threads=1))
+    cost = offline.engine_cost(types.SimpleNamespace(core=types.SimpleNamespace(runner=runner)))
+    hidden, inter, layers, vocab = 64, 128, 2, 256
+    qkv = (4 + 2 * 2) * 16  # 4 query heads + 2 KV heads x2 (K and V), head_dim 16
+    shapes = [(qkv, hidden), (hidden, 4 * 16), (2 * inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
+    norms = (2 * layers + 1) * hidden * 4  # two RMSNorm weights per layer + the final one, float32
+    assert cost.decode_weight_bytes == sum(n * k for n, k in shapes) + 4 * sum(n for n, _ in shapes) + norms
+    assert cost.param_bytes == (cost.non_embedding_params + cost.lm_head_params) * 4

@@ -433,14 +433,13 @@ def run(args: argparse.Namespace) -> dict:
         if fns:
             _log(f"batch 1 ({', '.join(fns)}): {args.decode_tokens} decode tokens x {args.batch1_reps} reps "
                  f"(load {load_avg()})")
+            wbytes = {"hf": cost.param_bytes}  # MBU of the bytes each system reads
+            if llama is not None:
+                wbytes["llamacpp"] = systems["llamacpp"]["gguf_weight_bytes"]
             b = measure_batch1(fns, prompts[0][: args.batch1_prompt_len], prompts[0], args.decode_tokens,
-                               args.batch1_reps, cost, bw, pg)
-            if "llamacpp" in b:  # MBU of the bytes llama.cpp actually reads (quantized weights)
-                x, wb = b["llamacpp"], systems["llamacpp"]["gguf_weight_bytes"]
-                x["weight_bytes"] = wb
-                x["decode_bound_tokens_per_s"] = bw * 1e9 / wb
-                x["mbu"] = x["decode_tokens_per_s"] * wb / (bw * 1e9) if x["decode_tokens_per_s"] else None
-                x["prefill_mfu_note"] = "model FLOPs of the same model; llama.cpp computes them on 4-bit weights"
+                               args.batch1_reps, cost, bw, pg, weight_bytes=wbytes)
+            if "llamacpp" in b:
+                b["llamacpp"]["prefill_mfu_note"] = "model FLOPs of the same model; llama.cpp computes them on 4-bit weights"
             result["batch1"] = b
     del hf, llama, engine
     gc.collect()

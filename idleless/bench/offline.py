@@ -27,8 +27,10 @@ What it measures (all times are wall-clock seconds, ``time.perf_counter``):
 
 Model FLOPs ~ 2 x non-embedding parameters per token run + 2 x hidden x vocab per sampled token
 (the lm_head runs only where a token is sampled); attention-score FLOPs are left out, so MFU is a
-slight under-estimate for long prompts. Weight bytes per decode step = (non-embedding parameters
-+ the lm_head matrix) x bytes per parameter (the embedding lookup reads one row). The peaks
+slight under-estimate for long prompts. Weight bytes per decode step = the bytes the linears
+and the lm_head hold as stored (a GGUF's Q4_1 / Q8_0 blocks with their scales; for transformers'
+float model (non-embedding parameters + the lm_head matrix) x bytes per parameter; the embedding
+lookup reads one row). The peaks
 default to this machine's figures (about 25 GB/s copy bandwidth, about 1,800 GFLOP/s bf16 matmul on AMX);
 pass others with the flags. Every phase records the 1-minute load average before and after it:
 on a shared machine the numbers are only as quiet as the load.
@@ -149,17 +151,27 @@ def shuffled(items: Sequence[WorkItem], seed: int) -> list[WorkItem]:
 class ModelCost:
     """What one token costs. non_embedding_params: parameters every token runs through (all but
     the input embedding and the lm_head); lm_head_params: hidden x vocab (run per sampled token);
-    bytes_per_param: of the weight dtype; kv_bytes_per_token: K+V over all layers."""
+    bytes_per_param: of the weight dtype; kv_bytes_per_token: K+V over all layers; weight_bytes:
+    the bytes the linears of one decode step read as stored (quantised blocks and their scales,
+    e.g. the bundled GGUF's Q4_1 layers and Q8_0 head), None when the weights are plain tensors."""
 
     non_embedding_params: int
     lm_head_params: int
     bytes_per_param: int
     kv_bytes_per_token: int
+    weight_bytes: Optional[int] = None
+
+    @property
+    def param_bytes(self) -> int:
+        """(non-embedding + lm_head params) x bytes_per_param: the decode step's weight bytes of a
+        model that stores its weights in its compute dtype (transformers' model in the same run)."""
+        return (self.non_embedding_params + self.lm_head_params) * self.bytes_per_param
 
     @property
     def decode_weight_bytes(self) -> int:
-        """Bytes of weights read by one decode step: non-embedding weights + the lm_head matrix."""
-        return (self.non_embedding_params + self.lm_head_params) * self.bytes_per_param
+        """Bytes of weights read by one decode step: non-embedding weights + the lm_head matrix, as
+        stored (``weight_bytes`` when known, else ``param_bytes``)."""
+        return self.weight_bytes if self.weight_bytes is not None else self.param_bytes
 
     def flops(self, forward_tokens: float, sampled_tokens: float) -> float:
         """Model FLOPs: 2 x non-embedding params per token run + 2 x lm_head params per sampled token."""
@@ -192,8 +204,11 @@ def measure_peaks(dtype, reps: int = 5) -> dict:
     """Quick roofline probes on this machine with torch's current thread count (best of ``reps``).
 
     copy_gbs: STREAM-copy bandwidth, GB/s counting bytes read + written (a 256 MiB float32
-    ``copy_``); matmul_gflops: GFLOP/s of a 2048^3 matmul in ``dtype``; also a [1 x 576] x
-    [576 x 3072] GEMV's effective weight-read GB/s (the shape of a small model's decode)."""
+    ``copy_``); matmul_gflops: GFLOP/s of a 2048^3 matmul in ``dtype``; gemv_weight_gbs: weight
+    bytes read per second by decode-shaped GEMVs ([1 x 576] x [576 x 3072] in ``dtype``) swept over
+    distinct matrices totalling 256 MiB, so the weights stream from memory as a decode step's do
+    (one matrix alone would sit in the last-level cache). ``gemv_weight_gbs`` / the weight bytes of
+    a decode step is the batch-1 decode bound ``idleless bench offline --measure-peaks`` reports."""
     import torch
 
     src = torch.ones(64 * 1024 * 1024)
@@ -201,18 +216,19 @@ def measure_peaks(dtype, reps: int = 5) -> dict:
     a = torch.randn(2048, 2048).to(dtype)
     b = torch.randn(2048, 2048).to(dtype)
     x = torch.randn(1, 576).to(dtype)
-    w = torch.randn(3072, 576).to(dtype)
+    w0 = torch.randn(3072, 576).to(dtype)
+    ws = [w0.clone() for _ in range(-(-256 * 1024 * 1024 // (w0.numel() * w0.element_size())))]
     copy_s, mm_s, gemv_s = [], [], []
     for _ in range(max(1, reps)):
         t = time.perf_counter(); dst.copy_(src); copy_s.append(time.perf_counter() - t)
         t = time.perf_counter(); a @ b; mm_s.append(time.perf_counter() - t)
         t = time.perf_counter()
-        for _ in range(20):
+        for w in ws:
             torch.nn.functional.linear(x, w)
-        gemv_s.append((time.perf_counter() - t) / 20)
+        gemv_s.append(time.perf_counter() - t)
     return {"copy_gbs": 2 * src.numel() * 4 / min(copy_s) / 1e9,
             "matmul_gflops": 2 * 2048**3 / min(mm_s) / 1e9,
-            "gemv_weight_gbs": w.numel() * w.element_size() / min(gemv_s) / 1e9,
+            "gemv_weight_gbs": sum(w.numel() * w.element_size() for w in ws) / min(gemv_s) / 1e9,
             "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(), "load_avg_1m": load_avg()}
 
 
@@ -320,13 +336,19 @@ def _greedy(max_tokens: int, ignore_eos: bool = True, temperature: float = 0.0):
 
 
 def engine_cost(engine) -> ModelCost:
-    """ModelCost of a loaded Engine's model (its own dtype; KV in the pool's dtype)."""
+    """ModelCost of a loaded Engine's model (its own dtype; KV in the pool's dtype; weight bytes
+    as its linear methods store them, so a quantised model's MBU counts the bytes it reads)."""
+    from idleless.quant.gate import linear_weight_bytes
+
     runner = engine.core.runner
     mc = runner.model_config
     dt = getattr(runner.pool, "dtype", None)
     kv_elem = dt.itemsize if dt is not None else None
-    return model_cost(runner.model, mc.hidden_size, mc.vocab_size, mc.num_hidden_layers,
+    cost = model_cost(runner.model, mc.hidden_size, mc.vocab_size, mc.num_hidden_layers,
                       mc.num_key_value_heads, mc.head_dim, kv_elem)
+    linear_bytes, linear_weights = linear_weight_bytes(runner.model)
+    rest = cost.non_embedding_params + cost.lm_head_params - linear_weights  # norms, as plain tensors
+    return dataclasses.replace(cost, weight_bytes=linear_bytes + rest * cost.bytes_per_param)
 
 
 def warmup_engine(engine, prompt: Sequence[int]) -> None:
@@ -402,15 +424,16 @@ TimeFn = Callable[[Sequence[int], int], tuple[float, Optional[float]]]
 
 def measure_batch1(time_fns: dict[str, TimeFn], decode_prompt: Sequence[int], prefill_prompt: Sequence[int],
                    decode_tokens: int, reps: int, cost: ModelCost, peak_mem_bw_gbs: float,
-                   peak_gflops: float) -> dict[str, dict]:
+                   peak_gflops: float, weight_bytes: Optional[dict[str, int]] = None) -> dict[str, dict]:
     """Batch-1 decode and prefill figures for each system, from ``time_fns[name](prompt,
     new_tokens) -> (seconds, forward seconds or None)``. The systems are interleaved within each
     repetition (and the order reversed every other one), so a change of machine load hits them alike.
 
     Per system: decode_tokens_per_s = decode_tokens / (median t(decode_tokens + 1) - median t(1))
-    on ``decode_prompt``; mbu = that x ``cost.decode_weight_bytes`` / peak bandwidth (KV reads, a
+    on ``decode_prompt``; mbu = that x the system's weight bytes / peak bandwidth (KV reads, a
     few MB at short context, are left out); decode_bound_tokens_per_s = peak bandwidth / weight
-    bytes. prefill_tokens_per_s = len(prefill_prompt) / median t(1) on ``prefill_prompt``;
+    bytes. A system's weight bytes are ``weight_bytes[name]`` when given (what that system stores:
+    transformers' float weights, llama.cpp's GGUF tensors), else ``cost.decode_weight_bytes``. prefill_tokens_per_s = len(prefill_prompt) / median t(1) on ``prefill_prompt``;
     prefill_mfu = model FLOPs of that (prompt through the body + one lm_head row) / s / peak."""
     names = list(time_fns)
     raw = {n: {"t1": [], "tn": [], "tp": [], "f1": [], "fn": [], "load": [load_avg()]} for n in names}
@@ -432,6 +455,7 @@ def measure_batch1(time_fns: dict[str, TimeFn], decode_prompt: Sequence[int], pr
         decode_tps = decode_tokens / decode_s if decode_s > 0 else None
         prefill_s = statistics.median(d["tp"])
         prefill_flops = cost.flops(len(prefill_prompt), 1)
+        wb = (weight_bytes or {}).get(n, cost.decode_weight_bytes)
         res = {
             "decode_prompt_tokens": len(decode_prompt),
             "decode_tokens": decode_tokens,
@@ -441,8 +465,9 @@ def measure_batch1(time_fns: dict[str, TimeFn], decode_prompt: Sequence[int], pr
             "decode_s": decode_s,
             "decode_tokens_per_s": decode_tps,
             "decode_ms_per_token": 1000 * decode_s / decode_tokens if decode_s > 0 else None,
-            "decode_bound_tokens_per_s": bw / cost.decode_weight_bytes,
-            "mbu": decode_tps * cost.decode_weight_bytes / bw if decode_tps else None,
+            "weight_bytes": wb,
+            "decode_bound_tokens_per_s": bw / wb,
+            "mbu": decode_tps * wb / bw if decode_tps else None,
             "prefill_prompt_tokens": len(prefill_prompt),
             "t_prefill_s": d["tp"],
             "prefill_s": prefill_s,
@@ -485,8 +510,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-gflops", type=float, default=DEFAULT_PEAK_GFLOPS,
                         help="matmul peak for MFU, GFLOP/s (of the run's dtype)")
     parser.add_argument("--measure-peaks", action="store_true",
-                        help="also probe copy bandwidth and matmul GFLOP/s here; MFU / MBU are then taken "
-                             "against the probed peaks unless --peak-gflops / --peak-mem-bw-gbs are given")
+                        help="also probe copy bandwidth, matmul GFLOP/s and the weight-streaming GEMV rate "
+                             "here; MFU and MBU (and the batch-1 decode bound) are then taken against the probed "
+                             "matmul and GEMV figures unless --peak-gflops / --peak-mem-bw-gbs are given")
     parser.add_argument("--output", default=None, help="write the figures as JSON to this file")
     add_cli_args(parser)
 
@@ -556,8 +582,8 @@ def run(args: argparse.Namespace) -> dict:
         # MFU / MBU against what this machine just did, unless the peaks were given explicitly
         if peak_gflops == DEFAULT_PEAK_GFLOPS:
             peak_gflops = mp["matmul_gflops"]
-        if peak_bw == DEFAULT_PEAK_MEM_BW_GBS:
-            peak_bw = mp["copy_gbs"]
+        if peak_bw == DEFAULT_PEAK_MEM_BW_GBS:  # the decode bound: weights streamed by a GEMV
+            peak_bw = mp["gemv_weight_gbs"]
         result["peaks"] = {"mem_bw_gbs": round(peak_bw, 1), "matmul_gflops": round(peak_gflops)}
     warmup_engine(engine, items[0].prompt_ids)
     res, idl_out = run_engine_workload(engine, items, wl, cost, peak_gflops)
@@ -617,7 +643,7 @@ def run(args: argparse.Namespace) -> dict:
         b = measure_batch1({"idleless": _engine_timer(engine),
                             "hf_generate": lambda p, n: (hf.time_generate(p, n), None)},
                            decode_prompt, prefill_prompt, args.decode_tokens, args.batch1_reps, cost,
-                           peak_bw, peak_gflops)
+                           peak_bw, peak_gflops, weight_bytes={"hf_generate": cost.param_bytes})
         i, h = b["idleless"], b["hf_generate"]
         b["decode_speedup_vs_hf"] = _ratio(i["decode_tokens_per_s"] or 0.0, h["decode_tokens_per_s"] or 0.0)
         b["prefill_speedup_vs_hf"] = _ratio(i["prefill_tokens_per_s"] or 0.0, h["prefill_tokens_per_s"] or 0.0)
