@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from idleless.spec.adaptive import DECAY, PRIOR_WEIGHT, AdaptiveProposer, StepCost, expected_tokens
+from idleless.spec.adaptive import (CATCHUP_HORIZON, DECAY, PRIOR_WEIGHT, WINDOW, AdaptiveProposer, StepCost,
+                                    expected_tokens)
 from idleless.spec.proposer import Proposer
 
 
@@ -57,17 +58,36 @@ def test_step_cost_interpolates_scales_below_and_is_flat_above():
     assert StepCost().predict(4) is None
     one = StepCost()
     one.add(4, 0.2)
-    assert one.predict(4) is None  # a bucket is trusted after MIN_SAMPLES samples
+    assert one.predict(4) is None and not one.measured(4)  # a bucket is trusted after MIN_SAMPLES samples
+    one.add(3, 0.4)
+    assert one.measured(3) and one.measured(4) and not one.measured(5)  # bucket (2, 4]
+    assert one.predict(3.5) == pytest.approx(0.3)
 
 
-def brute_force(ctl, rates, caps):
+def test_step_cost_is_the_median_of_recent_steps():
+    """A slow first step (caches being built) or one that met a busy machine does not move the
+    estimate; the window forgets steps older than WINDOW."""
+    c = StepCost()
+    for t in (2.0, 0.1, 0.1, 0.12, 0.1, 0.1, 9.0):
+        c.add(4, t)
+    assert c.predict(4) == pytest.approx(0.1)
+    for _ in range(WINDOW):
+        c.add(4, 0.3)
+    assert c.predict(4) == pytest.approx(0.3)
+
+
+def brute_force(ctl, rates, caps, catchup_s=None):
+    """The best (ratio, draft lengths) over every draft-length vector; ``catchup_s[i]``: seconds
+    charged when request i drafts (default none)."""
     B = len(rates)
+    catchup_s = catchup_s or [0.0] * B
     best, best_ks = None, None
     for ks in itertools.product(*[range(c + 1) for c in caps]):
         m = sum(ks)
         value = B + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
         depth, drafting = max(ks), sum(1 for k in ks if k)
-        ratio = value / (ctl.step_cost.predict(B + m) + depth * (ctl.draft_step_cost.predict(drafting) or 0.0))
+        ratio = value / (ctl.step_cost.predict(B + m) + depth * (ctl.draft_step_cost.predict(drafting) or 0.0)
+                         + sum(c for c, k in zip(catchup_s, ks) if k))
         if best is None or ratio > best + 1e-12:
             best, best_ks = ratio, ks
     return best, best_ks
@@ -110,10 +130,13 @@ def test_auto_off_skips_the_proposer_and_counts_the_step():
     assert ctl.stats()["num_steps_off"] == 1 and ctl.stats()["num_steps_on"] == 0
 
 
-def test_cold_start_and_fixed_mode_ask_for_the_room():
+def test_cold_start_measures_plain_steps_and_fixed_mode_asks_for_the_room():
     inner = Fixed()
     ctl = AdaptiveProposer(inner, max_draft=3)
-    assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[7, 7, 7], [7]]  # nothing measured: speculate
+    assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[], []]  # nothing measured: plain
+    for _ in range(2):
+        ctl.observe_step(2, 0, 0.05)  # plain steps of 2 tokens; verifies assumed no dearer (flat above)
+    assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[7, 7, 7], [7]]
     fixed = AdaptiveProposer(Fixed(), max_draft=3, adaptive=False)
     fixed.step_cost = scripted_cost(lambda x: 0.01 * x, [1, 2, 4, 8])
     assert fixed.propose([rec("a")], [2]) == [[7, 7]]
@@ -163,12 +186,62 @@ def test_an_unmeasured_draft_costs_its_hint_times_a_target_step():
         assert any(ctl.draft_lengths([0.6], [4])) == speculates
 
 
-def test_before_any_measurement_only_a_free_proposer_speculates():
+def test_before_any_measurement_no_proposer_speculates():
     class Heavy(Fixed):
         cost_hint = 0.3
 
     assert AdaptiveProposer(Heavy(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [0, 0]
-    assert AdaptiveProposer(Fixed(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [3, 3]
+    assert AdaptiveProposer(Fixed(), max_draft=3).draft_lengths([0.9, 0.9], [5, 5]) == [0, 0]
+
+
+def test_a_verify_is_never_judged_against_an_unmeasured_plain_step():
+    """The 4-requests-at-once case of the int4 self-draft: plain steps measured only at 1 token (a
+    warm-up's slow first decode steps) and verifies of 4 x (1 + 6) tokens. The plain 4-token step was
+    then interpolated between the two (0.081 s, twice its real 0.040 s), so a verify plus six draft
+    steps looked worth 2x plain decoding and speculation stayed on. Now the plain step is measured
+    first; once it is, the plan is the brute-force optimum."""
+    ctl = AdaptiveProposer(Fixed(), max_draft=6)
+    for _ in range(3):
+        ctl.step_cost.add(1, 0.08)
+        ctl.step_cost.add(28, 0.091)
+        ctl.draft_step_cost.add(4, 0.025)
+    rates = [0.95] * 4
+    assert ctl.draft_lengths(rates, [127] * 4) == [0] * 4
+    for _ in range(2):
+        ctl.step_cost.add(4, 0.040)
+    ks = ctl.draft_lengths(rates, [127] * 4)
+    best, ref = brute_force(ctl, rates, [6] * 4)
+    m = sum(ks)
+    value = 4 + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
+    ratio = value / (ctl.step_cost.predict(4 + m) + max(ks) * ctl.draft_step_cost.predict(sum(1 for k in ks if k)))
+    assert ratio == pytest.approx(best, rel=0.01) and best < 1.1 * 4 / 0.040  # a little better than plain
+
+
+def test_a_catch_up_is_charged_over_the_requests_remaining_tokens():
+    """Drafting pays at 4 requests when the draft is caught up (cheap draft steps), and not when each
+    request must first catch its 230-token prompt up at a measured 3.26 ms per token, amortised over
+    its 128 remaining tokens at the expected tokens of one verify; a single lagging request is left
+    out while the others draft. Reference: brute force with hand-computed charges."""
+    ctl = AdaptiveProposer(Fixed(), max_draft=6)
+    for _ in range(3):
+        for x, t in ((1, 0.026), (4, 0.040), (28, 0.091)):
+            ctl.step_cost.add(x, t)
+        ctl.draft_step_cost.add(4, 0.010)
+        ctl.draft_step_cost.add(3, 0.009)
+    rates, room = [0.95] * 4, [127] * 4
+    assert ctl.draft_lengths(rates, room) == [6] * 4
+    ctl.catchup_cost.add(920, 3.0)
+    ctl.catchup_cost.add(920, 3.0)
+    per_request = 230 * 3.0 / 920 * expected_tokens(0.95, 6) / min(128, CATCHUP_HORIZON)
+    assert ctl.draft_lengths(rates, room, [230] * 4) == [0] * 4
+    assert brute_force(ctl, rates, [6] * 4, [per_request] * 4)[1] == (0, 0, 0, 0)
+    ctl.catchup_cost.add(230, 0.75)  # a single prompt: measured apart (bucket 8)
+    ctl.catchup_cost.add(230, 0.75)
+    one = [230 * 0.75 / 230 * expected_tokens(0.95, 6) / 128, 0.0, 0.0, 0.0]
+    ks = ctl.draft_lengths(rates, room, [230, 0, 0, 0])
+    assert ks[0] == 0 and all(ks[1:])
+    best, ref = brute_force(ctl, rates, [6] * 4, one)
+    assert tuple(ks) == ref
 
 
 def test_a_prompt_catch_up_is_not_charged_to_the_draft_steps(monkeypatch):
@@ -186,7 +259,7 @@ def test_a_prompt_catch_up_is_not_charged_to_the_draft_steps(monkeypatch):
             self.catchup = 0.0
 
         def propose(self, requests, max_tokens):
-            self.last_catchup_s = self.catchup
+            self.last_catchup_s, self.last_catchup_tokens = self.catchup, 200 if self.catchup else 0
             return [[1, 2, 3] for _ in requests]
 
     ticks = itertools.count()
@@ -199,3 +272,4 @@ def test_a_prompt_catch_up_is_not_charged_to_the_draft_steps(monkeypatch):
         for _ in range(adaptive.MIN_SAMPLES):
             ctl.propose([req], [3])
         assert ctl.draft_step_cost.predict(1) == pytest.approx(per_step)
+        assert ctl.catchup_cost.predict(200) == (pytest.approx(catchup) if catchup else None)

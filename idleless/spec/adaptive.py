@@ -7,29 +7,42 @@ from two measured things:
   were): a decayed count of accepted guesses and first rejections, so it follows the request as its
   text moves between copying and free writing (SGLang's adaptive EAGLE keeps an EMA the same way);
 * a cost model of the step, measured online: its seconds outside drafting (planning, forward or
-  verify, commit) as a function of the tokens in it (``StepCost``: one running average per
-  power-of-two bucket of token counts, interpolated), plus the proposer's seconds per draft step
+  verify, commit) as a function of the tokens in it (``StepCost``: the median of the recent steps
+  per power-of-two bucket of token counts, interpolated), plus the proposer's seconds per draft step
   (a draft model runs one step per guess depth for all drafting requests together) as a function
   of the number of drafting requests (another ``StepCost``; before it is measured, the proposer's
-  ``cost_hint`` times a target step); the draft time of a plan is its depth times that.
+  ``cost_hint`` times a target step); the draft time of a plan is its depth times that;
+* the proposer's catch-up: a draft model must first compute the tokens of a request it has not seen
+  (its prompt) or that it fell behind on (steps without guesses), ``Proposer.catchup_tokens``. That
+  forward's seconds per token are measured online (a third ``StepCost``, by catch-up tokens; before
+  it is measured, the proposer's ``catchup_cost_hint``). A catch-up is paid once and serves the
+  request's remaining steps, so a plan that starts drafting for a lagging request is charged its
+  catch-up seconds times the share of the request's remaining tokens (at most ``CATCHUP_HORIZON``)
+  this step is expected to produce.
 
 Under the usual i.i.d. model (Leviathan et al., arXiv 2211.17192, section 3.1) the j-th guess of a
 request adds ``a**j`` expected tokens. The controller adds guesses in order of that value, across
 the whole batch, and keeps the count at which the expected tokens per second of the step
-(``B + sum of a**j`` over ``step time(B + drafts) + draft time``) is highest. Speculation is therefore off for a step exactly
-when no first guess pays for itself: at large batches, where the verify tokens are no longer free
-(the step is compute-bound), or when nothing is being accepted. Plans use an upper confidence bound
+(``B + sum of a**j`` over ``step time(B + drafts) + draft time + catch-up charge``) is highest.
+Speculation is therefore off for a step exactly when no first guess pays for itself: at large
+batches, where the verify tokens are no longer free (the step is compute-bound), when drafting costs
+about what it saves, or when nothing is being accepted. Plans use an upper confidence bound
 of the rate (the estimate plus ``OPTIMISM / sqrt(1 + evidence)``), and the evidence of requests left
 without drafts decays, so a request is probed again a while after its guesses stopped paying (the
-exploration of UCB1, Auer et al. 2002). The step-cost model errs toward plain decoding for steps
-smaller than any measured (so plain steps get measured: a verify must never be judged against a
-guess of what plain decoding costs) and toward speculating for steps larger than any measured.
+exploration of UCB1, Auer et al. 2002). A plain step of the batch's size is always measured before
+a verify is judged against it (until its bucket holds ``MIN_SAMPLES`` steps, speculation is off): a
+verify must never be compared with a guess of what plain decoding costs. The step-cost model is flat
+above the largest measured step, so a larger verify is assumed no dearer than that and gets tried
+(and measured).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import itertools
 import math
+import statistics
 import time
 from typing import Sequence
 
@@ -44,42 +57,50 @@ PRIOR_WEIGHT = 2.0
 # Optimism in the planning rate: + OPTIMISM / sqrt(1 + evidence) (an upper confidence bound), so a
 # request whose guesses stopped paying is probed again once its decayed evidence has shrunk.
 OPTIMISM = 0.3
-# Step-cost buckets: samples before a bucket is trusted, and the running-average weight of a new one.
+# Step-cost buckets: samples before a bucket is trusted, and how many recent ones its median covers
+# (a median, so a first step that builds caches or a step that met a busy machine does not move it).
 MIN_SAMPLES = 2
-COST_EMA = 0.2
+WINDOW = 9
+# A catch-up is charged over at most this many of the request's remaining tokens (a request may end
+# at EOS long before its max_tokens).
+CATCHUP_HORIZON = 128
 # Accepted-length histogram size for the metrics (0 .. MAX_HIST accepted guesses per verify).
 MAX_HIST = 16
 
 
-class StepCost:
-    """Forward seconds of a step as a function of its token count, learnt online.
+def _bucket(tokens: float) -> int:
+    return max(0, math.ceil(math.log2(tokens)))
 
-    One running average (weight ``COST_EMA``) of (tokens, seconds) per bucket ``ceil(log2(tokens))``;
-    ``predict`` interpolates linearly between trusted buckets (``MIN_SAMPLES`` samples); below the
-    smallest it scales that bucket's time down in proportion to the tokens, above the largest it is
-    flat: below, it errs toward plain decoding (a small plain step is assumed cheap, so it gets run
-    and measured), above, toward speculating (a larger verify is assumed no dearer than the largest
-    step measured, so it gets tried and measured). None until a bucket is trusted."""
+
+class StepCost:
+    """Seconds of a step as a function of its token count, learnt online.
+
+    Per bucket ``ceil(log2(tokens))`` the last ``WINDOW`` (tokens, seconds) samples; the bucket's point
+    is their median tokens and median seconds. ``predict`` interpolates linearly between trusted
+    buckets (``MIN_SAMPLES`` samples); below the smallest it scales that bucket's time down in
+    proportion to the tokens, above the largest it is flat (a larger step is assumed no dearer than the
+    largest measured, so it gets tried and measured). None until a bucket is trusted."""
 
     def __init__(self):
-        self._buckets: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds, samples]
+        self._buckets: dict[int, collections.deque] = {}  # bucket -> deque of (tokens, seconds)
         self._pts = None  # the trusted (tokens, seconds) points, sorted; rebuilt after an add
 
     def add(self, tokens: int, seconds: float) -> None:
         """One executed step: ``tokens`` (>= 1) computed in ``seconds``."""
         if tokens < 1 or not math.isfinite(seconds) or seconds < 0:
             return
-        b = self._buckets.setdefault(max(0, math.ceil(math.log2(tokens))), [float(tokens), seconds, 0])
-        w = 1.0 if b[2] == 0 else max(COST_EMA, 1.0 / (b[2] + 1))
-        b[0] += w * (tokens - b[0])
-        b[1] += w * (seconds - b[1])
-        b[2] += 1
+        self._buckets.setdefault(_bucket(tokens), collections.deque(maxlen=WINDOW)).append((float(tokens), seconds))
         self._pts = None
+
+    def measured(self, tokens: float) -> bool:
+        """Whether the bucket holding ``tokens`` (>= 1) is trusted."""
+        return len(self._buckets.get(_bucket(tokens), ())) >= MIN_SAMPLES
 
     def predict(self, tokens: float):
         """Predicted seconds for a step of ``tokens`` tokens, or None before any bucket is trusted."""
         if self._pts is None:
-            pts = sorted((x, t) for x, t, n in self._buckets.values() if n >= MIN_SAMPLES)
+            pts = sorted((statistics.median(x for x, _ in b), statistics.median(t for _, t in b))
+                         for b in self._buckets.values() if len(b) >= MIN_SAMPLES)
             self._pts = (pts, [x for x, _ in pts])
         pts, xs = self._pts
         if not pts:
@@ -113,6 +134,7 @@ class AdaptiveProposer(Proposer):
         self.adaptive = adaptive
         self.step_cost = StepCost()
         self.draft_step_cost = StepCost()  # seconds per draft step, by the number of drafting requests
+        self.catchup_cost = StepCost()  # seconds of the proposer's catch-up forward, by its tokens
         self._counts: dict[str, list[float]] = {}  # rid -> [accepted, rejected] (decayed)
         self._global = [1.0, 1.0]  # batch-wide decayed counts (the prior of every request)
         self.num_verifies = 0  # request-verifies: one per request per step with guesses
@@ -136,44 +158,66 @@ class AdaptiveProposer(Proposer):
         acc, rej = self._counts.get(rid, (0.0, 0.0))
         return min(1.0, self.acceptance(rid) + OPTIMISM / math.sqrt(1.0 + acc + rej))
 
-    def draft_lengths(self, rates: Sequence[float], room: Sequence[int]) -> list[int]:
+    def draft_lengths(self, rates: Sequence[float], room: Sequence[int],
+                      catchup: Sequence[int] = ()) -> list[int]:
         """Guesses per request that maximise the step's expected tokens per second (module
-        docstring). ``rates``: acceptance per request; ``room``: the most each may take. The verify
-        cost depends on the number m of guesses, the draft cost on their depth and on how many
-        requests draft; so for every depth cap d and every m, the m guesses of highest value
-        ``a**j`` with j <= d are taken, and the best ratio wins (the fewest guesses on a tie). Exact
-        when drafting is free (a tie-free top-m is then optimal); near it otherwise. All zeros when
-        no guess pays (speculation off)."""
+        docstring). ``rates``: acceptance per request; ``room``: the most each may take (its
+        remaining tokens less one); ``catchup``: tokens the proposer must compute for each before
+        its first guess (``Proposer.catchup_tokens``; none when empty). The verify cost depends on
+        the number m of guesses, the draft cost on their depth and on how many requests draft, plus
+        the amortised catch-up of the drafting ones; so for every depth cap d and every m, the m
+        guesses of highest value ``a**j`` with j <= d are taken (once among all requests, once among
+        those without a catch-up), and the best ratio wins (the fewest guesses on a tie). Exact when drafting is free (a tie-free top-m is then optimal); near it
+        otherwise. All zeros when no guess pays (speculation off) and while a plain step of this
+        batch size is not measured yet."""
         caps = [min(r, self.max_draft) for r in room]
         if not self.adaptive:
             return caps
         B = len(rates)
+        if not self.step_cost.measured(B):  # measure plain decoding at this batch size first
+            return [0] * B
         t_plain = self.step_cost.predict(B)
-        if t_plain is None:  # nothing measured yet: a free proposer speculates (and gets measured)
-            return caps if self.inner.cost_hint == 0 else [0] * B
+        charge = self._catchup_charges(rates, room, caps, catchup)
         gains = sorted(((a ** j, j, i) for i, a in enumerate(rates) for j in range(1, caps[i] + 1)),
                        key=lambda g: (-g[0], g[1], g[2]))
         verify = [self.step_cost.predict(B + m) for m in range(len(gains) + 1)]
         hint = self.inner.cost_hint  # until the proposer is measured: its hint times a target step
         per_step = [0.0] + [self._draft_step(n, hint) for n in range(1, B + 1)]
         best, best_plan = B / t_plain, []
-        for cap in range(1, max(caps, default=0) + 1):
-            value, taken, depth, drafting, plan = float(B), [0] * B, 0, 0, []
+        # the lagging requests' catch-up is all-or-nothing per request: plans with and without them
+        pools = [None] + ([{i for i, c in enumerate(charge) if c == 0.0}] if any(charge) else [])
+        for allowed, cap in itertools.product(pools, range(1, max(caps, default=0) + 1)):
+            value, taken, depth, drafting, caught, plan = float(B), [0] * B, 0, 0, 0.0, []
             for gain, j, i in gains:
-                if j > cap:
+                if j > cap or (allowed is not None and i not in allowed):
                     continue
                 value += gain
-                drafting += taken[i] == 0
+                if taken[i] == 0:
+                    drafting += 1
+                    caught += charge[i]
                 taken[i] += 1
                 depth = max(depth, taken[i])
                 plan.append(i)
-                ratio = value / (verify[len(plan)] + depth * per_step[drafting])
+                ratio = value / (verify[len(plan)] + depth * per_step[drafting] + caught)
                 if ratio > best * (1 + 1e-12):
                     best, best_plan = ratio, list(plan)
         ks = [0] * B
         for i in best_plan:
             ks[i] += 1
         return ks
+
+    def _catchup_charges(self, rates, room, caps, catchup) -> list[float]:
+        """Per request, the seconds of catch-up a plan that drafts for it is charged: its catch-up
+        tokens times the seconds per catch-up token (measured at the batch's total, else the
+        proposer's ``catchup_cost_hint``), times the share of its remaining tokens (at most
+        ``CATCHUP_HORIZON``) that one verify at its cap is expected to yield."""
+        total = sum(catchup)
+        if not total:
+            return [0.0] * len(rates)
+        t = self.catchup_cost.predict(total)
+        per_token = t / total if t is not None else self.inner.catchup_cost_hint
+        return [n * per_token * min(1.0, expected_tokens(a, c) / min(r + 1, CATCHUP_HORIZON)) if n else 0.0
+                for a, r, c, n in zip(rates, room, caps, catchup)]
 
     def _draft_step(self, n: int, hint: float) -> float:
         """Predicted seconds of one draft step for ``n`` drafting requests: measured, else the
@@ -184,7 +228,8 @@ class AdaptiveProposer(Proposer):
         return t
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
-        ks = self.draft_lengths([self.planning_rate(r.rid) for r in requests], max_tokens)
+        catchup = self.inner.catchup_tokens(requests) if self.adaptive else ()
+        ks = self.draft_lengths([self.planning_rate(r.rid) for r in requests], max_tokens, catchup)
         if not any(ks):
             self.num_steps_off += 1
             self._drift(requests)
@@ -196,6 +241,8 @@ class AdaptiveProposer(Proposer):
         depth = max(map(len, drafts))
         if depth:
             catchup = self.inner.last_catchup_s  # a prompt caught up: its forward is no draft step
+            if catchup:
+                self.catchup_cost.add(self.inner.last_catchup_tokens, catchup)
             if not catchup:
                 self.draft_step_cost.add(sum(1 for d in drafts if d), dt / depth)
             elif depth > 1:

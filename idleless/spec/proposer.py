@@ -29,14 +29,24 @@ class Proposer:
     # A draft step's seconds relative to a target step of the same batch, assumed until measured
     # (0: guessing is free, e.g. lookups in text already seen).
     cost_hint = 0.0
-    # Seconds of the last ``propose`` that were not draft steps (a draft model catching up on a new
-    # prompt): the adaptive cost model leaves them out of the seconds per draft step.
+    # Seconds per catch-up token (``catchup_tokens``) assumed until the adaptive controller measures it.
+    catchup_cost_hint = 0.0
+    # Seconds and tokens of the last ``propose``'s catch-up forward (a draft model computing a new
+    # prompt, or tokens it fell behind on), 0 when it had none: the adaptive cost model charges them
+    # as catch-up and leaves them out of the seconds per draft step.
     last_catchup_s = 0.0
+    last_catchup_tokens = 0
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
         """One list of guessed next token ids per decoding request, the i-th at most
         ``max_tokens[i]`` (>= 0) long; [] proposes nothing for that request."""
         return [[] for _ in requests]
+
+    def catchup_tokens(self, requests: Sequence) -> list[int]:
+        """Per decoding request, the tokens ``propose`` would first have to compute (beyond the one or
+        two a request that got guesses last step always needs) before it can guess; 0 for a
+        proposer without model state."""
+        return [0] * len(requests)
 
     def observe(self, request, num_proposed: int, num_accepted: int) -> None:
         """The verify result of one request: of ``num_proposed`` guesses the first ``num_accepted``
