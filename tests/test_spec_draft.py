@@ -272,3 +272,47 @@ def test_self_draft_configuration_errors(q4_target):
     with pytest.raises(ValueError, match="already runs with int8 weights"):
         DraftModelProposer(replace(cfg, speculative_draft_weight_dtype="int8"),
                            SimpleNamespace(**{**vars(target), "weight_dtype": "int8"}))
+
+
+def test_self_draft_copies_the_targets_kv_instead_of_catching_up(q4_target):
+    """A self-draft's catch-up is a copy: after the first verify step of a 33-token prompt the draft
+    pool holds, at the request's draft slots, bitwise the K/V the target computed at its slots for
+    every prompt token, the draft model computed only its guesses' tokens (one row per guess
+    depth), and it reports no catch-up tokens to the cost model."""
+    core = EngineCore(core_config(q4_target, speculative_algorithm="draft", speculative_draft_weight_dtype="int4",
+                                  speculative_num_draft_tokens=3, speculative_disable_adaptive=True))
+    draft = core.proposer.inner
+    assert draft.target_pool is core.runner.pool
+    prompt = rand_prompts(11, [33])[0]
+    core.add_request(Request("c", prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)))
+    core.step()  # prefill: the target's K/V of the prompt
+    rec = core.scheduler.running[0]
+    assert draft.catchup_tokens([rec]) == [0]
+    core.step()  # the first propose (3 draft forwards of one token) and its verify
+    seq = draft.seqs["c"]
+    assert draft.num_tokens == 3 and draft.last_catchup_tokens == 0
+    n = len(prompt)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(getattr(draft.pool, name)[:, seq.slots[:n]], getattr(core.runner.pool, name)[:, rec.slots[:n]])
+    while core.has_work():
+        core.step()
+        check_draft_kv(draft)
+    assert not draft.seqs and draft.kv_usage()["in_use"] == 0
+
+
+def test_a_separate_draft_reports_its_prompt_as_catch_up(models, target_core):
+    """A draft model of its own computes a new prompt itself: ``catchup_tokens`` counts it before
+    the first propose, that propose reports the catch-up forward's tokens, and afterwards (one
+    guess accepted, then the target's token) the request needs no catch-up."""
+    p = proposer(models[0])
+    assert p.target_pool is None
+    prompt = rand_prompts(12, [20])[0]
+    ref = reference(target_core, [prompt], 6)[0]
+    assert p.catchup_tokens([rec("a", prompt)]) == [20]
+    assert p.propose([rec("a", prompt)], [3]) == [ref[:3]]
+    assert p.last_catchup_tokens == 20 and p.last_catchup_s > 0
+    after = prompt + ref[:2]  # one guess accepted, then the target's own token
+    assert p.catchup_tokens([rec("a", after)]) == [0]
+    assert p.propose([rec("a", after)], [2]) == [ref[2:4]]
+    assert p.last_catchup_tokens == 0
+    check_draft_kv(p)

@@ -17,6 +17,13 @@ tokens (guesses past the accepted ones are stale), then runs one batched catch-u
 prompt the first time, chunked by ``chunked_prefill_size``; later the last accepted guess and the
 target's own token) that samples the first guess, then k-1 batched one-token decode steps. A full
 draft pool never fails the target's step: the request proposes nothing and its draft KV goes back.
+
+A self-draft shares the target's KV instead of catching up: its layers have the target's shapes, so
+the K/V the target computed for a request's tokens (its prompt, its accepted tokens) are copied into
+the draft's slots rather than recomputed at the draft's precision (a 4-bit prefill of a prompt costs
+more than the target's float one). The draft then computes only its own guesses; what it attends to
+for the rest is the target's more exact K/V, which changes only which tokens it guesses, never
+what the target accepts.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ def _weight_bytes(model) -> int:
     quantised = {id(m.weight): m.quant for m in model.modules() if getattr(m, "quant", None) is not None}
     return sum(sum(t.numel() * t.element_size() for t in quantised[id(p)].values()) if id(p) in quantised
                else p.numel() * p.element_size() for p in model.parameters())
+
+
+def _same_layout(a, b) -> bool:
+    """Whether two ``KVPool``s hold K/V of the same layers, heads, dims and stored dtype."""
+    return (a.k_cache.shape[0] == b.k_cache.shape[0] and a.k_cache.shape[2:] == b.k_cache.shape[2:]
+            and a.dtype == b.dtype and a.quantized == b.quantized)
 
 
 def check_self_draft(draft_weight_dtype: str, target_weight_dtype: Optional[str]) -> None:
@@ -138,6 +151,8 @@ class DraftModelProposer(Proposer):
         target = getattr(target_runner, "model", None)
         self.cost_hint = _weight_bytes(self.runner.model) / max(1, _weight_bytes(target)) if target is not None else 1.0
         self.kv = RequestKV(self.pool, make_prefix_cache(config, self.pool))
+        tp = getattr(target_runner, "pool", None)  # a self-draft shares the target's KV (module docstring)
+        self.target_pool = tp if not path and tp is not None and _same_layout(tp, self.pool) else None
         self.seqs: dict[str, DraftSeq] = {}  # rid -> draft state, for requests proposed for and not finished
         self.forward_s = 0.0
         self.num_tokens = 0
@@ -147,7 +162,7 @@ class DraftModelProposer(Proposer):
         still being caught up (chunked), that the step's token budget (``max_prefill_tokens``) left out,
         or that the draft pool cannot hold. Runs 1 + (max k - 1) draft forwards."""
         out: list[list[int]] = [[] for _ in requests]
-        self.last_catchup_s = 0.0
+        self.last_catchup_s, self.last_catchup_tokens = 0.0, 0
         chunk = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else None
         budget = self.config.max_prefill_tokens
         work = []  # (index, seq, catch-up tokens, guesses wanted: 0 while not caught up)
@@ -155,11 +170,16 @@ class DraftModelProposer(Proposer):
             if k <= 0 or budget <= 0:
                 continue
             seq = self._sync(rec)
-            n = min(len(seq.all_ids) - seq.num_computed, chunk or budget, budget)
-            k = k if seq.num_computed + n == len(seq.all_ids) else 0
-            if self.kv.grow(seq, n + max(k - 1, 0)) is None:
+            shared = self._shared_tokens(rec, seq)
+            n = min(len(seq.all_ids) - seq.num_computed - shared, chunk or budget, budget)
+            k = k if seq.num_computed + shared + n == len(seq.all_ids) else 0
+            if self.kv.grow(seq, shared + n + max(k - 1, 0)) is None:
                 self._release(rec.rid)
                 continue
+            if shared:
+                self._copy_target_kv(rec, seq, shared)
+                if shared > 1:
+                    self.kv.cache_computed(seq)  # a copied prompt is shared with later requests too
             budget -= n
             work.append((i, seq, n, k))
         if not work:
@@ -170,7 +190,9 @@ class DraftModelProposer(Proposer):
         first = self._execute(plan)
         # a first forward that also caught a prompt up (more than the 1-2 tokens the target last
         # accepted) is no draft step: its seconds are reported apart (Proposer.last_catchup_s)
-        self.last_catchup_s = time.perf_counter() - t0 if max(n for _, _, n, _ in work) > 2 else 0.0
+        if max(n for _, _, n, _ in work) > 2:
+            self.last_catchup_s = time.perf_counter() - t0
+            self.last_catchup_tokens = sum(n for _, _, n, _ in work)
         for (i, seq, n, k), toks in zip(work, first):
             seq.num_computed += n
             if n > 1:
@@ -186,6 +208,20 @@ class DraftModelProposer(Proposer):
             for (i, seq, _), toks in zip(live, self._execute(plan)):
                 seq.num_computed += 1
                 out[i] += toks
+        return out
+
+    def catchup_tokens(self, requests: Sequence) -> list[int]:
+        """Per request, the tokens ``propose``'s first forward would compute for it when more than
+        the 1-2 a request needs after a verify (its prompt, or tokens it fell behind on), else 0.
+        A new request counts its whole prompt (the draft's prefix cache is not consulted); a
+        self-draft copies what the target computed (module docstring), so it has none."""
+        out = []
+        for rec in requests:
+            seq, ids = self.seqs.get(rec.rid), rec.all_ids
+            have = 0 if seq is None else min(self._kept(seq, ids), len(ids) - 1)
+            if self.target_pool is not None:
+                have = max(have, min(rec.num_computed, len(ids) - 1))
+            out.append(len(ids) - have if len(ids) - have > 2 else 0)
         return out
 
     def finish(self, request) -> None:
@@ -223,14 +259,38 @@ class DraftModelProposer(Proposer):
         seq.confirmed = len(target)
         return seq
 
-    def _truncate(self, seq: DraftSeq, target: list[int]) -> None:
-        """Cut ``seq``'s draft KV to its longest common prefix with ``target`` (the target's tokens)."""
+    @staticmethod
+    def _kept(seq: DraftSeq, target: list[int]) -> int:
+        """The length of ``seq``'s computed tokens' longest common prefix with ``target``."""
         keep = min(seq.confirmed, seq.num_computed)  # the tokens before it were the target's already
         while keep < seq.num_computed and keep < len(target) and seq.all_ids[keep] == target[keep]:
             keep += 1
+        return keep
+
+    def _truncate(self, seq: DraftSeq, target: list[int]) -> None:
+        """Cut ``seq``'s draft KV to its longest common prefix with ``target`` (the target's tokens)."""
+        keep = self._kept(seq, target)
         self.kv.truncate(seq, keep)
         seq.num_computed = keep
         del seq.all_ids[keep:]
+
+    def _shared_tokens(self, rec, seq: DraftSeq) -> int:
+        """Tokens after ``seq``'s computed ones whose K/V the target holds (a self-draft only): up to
+        the target's computed tokens, all but the last token (whose forward gives the first guess)."""
+        if self.target_pool is None:
+            return 0
+        return max(0, min(rec.num_computed, len(seq.all_ids) - 1) - seq.num_computed)
+
+    def _copy_target_kv(self, rec, seq: DraftSeq, count: int) -> None:
+        """Copy the target's K/V (and scales) of ``count`` tokens after ``seq``'s computed ones from
+        ``rec.slots`` into ``seq.slots`` (already grown), every layer at once; they count as computed."""
+        a, b = seq.num_computed, seq.num_computed + count
+        src, dst = rec.slots[a:b], seq.slots[a:b]
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+            t = getattr(self.target_pool, name)
+            if t is not None:
+                getattr(self.pool, name)[:, dst] = t[:, src]
+        seq.num_computed = b
 
     def _release(self, rid: str) -> None:
         """Drop ``rid``'s draft state: computed whole pages into the draft tree, the rest freed."""
