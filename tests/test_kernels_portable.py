@@ -207,3 +207,36 @@ def test_decode_attn_q8_native_equals_portable(dtype, fmt):
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][0][1:], torch.full_like(outs[0][0][1:], 7.0))
+
+
+# ---- helper H1 (issue 11): the panel tiling's k passes, chunk_attn's decode rows ----
+
+
+@DTYPES
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_gguf_linear_k_passes_native_equals_portable_and_rows_alone(dtype, fmt):
+    """At k = 1632 (over 1.5 GGUF_KB: passes of 512, 512, 512, 96 with the lane chains carried between
+    them) the panel tiling gives the scalar build's bits, a row's bits alone (the register decode, one
+    pass) equal its bits in batches of 8 and 40, and the product is within float32's bound of a float64
+    product of the held weights."""
+    from idleless.quant.formats import dequantize_q8_0, quantize_q4_1, quantize_q8_0, unpack_q4
+
+    native, portable = BUILDS[dtype]
+    n, k = 37, 1632
+    w = torch.randn(n, k, generator=_gen(31)) * k ** -0.5
+    x = (torch.randn(40, k, generator=_gen(32)) * 2).to(dtype)
+    if fmt == "q4_1":
+        qs, d, m = quantize_q4_1(w)
+        held = (d.double()[..., None] * unpack_q4(qs).double() + m.double()[..., None]).reshape(n, k)
+        run = lambda kern, rows: kern.q41_linear(rows, qs, d, m, None)
+    else:
+        q, d = quantize_q8_0(w)
+        held = dequantize_q8_0(q, d).double()
+        run = lambda kern, rows: kern.q80_linear(rows, q, d, None)
+    y = run(native, x)
+    assert torch.equal(y, run(portable, x))
+    alone = torch.cat([run(native, x[i:i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(run(native, x[:8]), alone[:8]) and torch.equal(y, alone)
+    ref = x.double() @ held.T
+    bound = k * 2.0 ** -23 * (x.double().abs() @ held.abs().T) + (2.0 ** -8 if dtype == torch.bfloat16 else 0) * ref.abs()
+    assert ((y.double() - ref).abs() <= bound + 1e-30).all()

@@ -1867,11 +1867,14 @@ DEFINE_W8A8(bf16, uint16_t)
  * decoded in registers and applied to up to 4 rows at once (decode, where the weight is read once per
  * step); from there on, a panel of GGUF_PANEL output columns is decoded once into a float32 buffer that
  * stays in L2 and a 6 x 2 register tile of outputs runs over it (prefill: the decode is paid once per
- * panel, the tile does 8 loads per 12 fused multiply-adds). Threads split output columns. */
+ * panel, the tile does 8 loads per 12 fused multiply-adds); a k over 1.5 GGUF_KB is taken in passes of
+ * GGUF_KB with the lane chains carried between passes (the same chains: at k = 1536 six rows of x no
+ * longer fit L1 and were read from L2 for every column pair). Threads split output columns. */
 #define GGUF_PANEL 32         /* output columns per decoded panel (32 x 1536 floats: 192 kB) */
 #define GGUF_GEMM_MIN_ROWS 8  /* rows from which the panel tiling runs */
 #define GGUF_MR 6             /* rows per register tile of the panel tiling */
 #define GGUF_NR 2             /* columns per register tile of the panel tiling */
+#define GGUF_KB 512           /* k per pass of the panel tiling (6 rows' floats: 12 kB, in L1) */
 #define GGUF_RR 4             /* rows per tile of the register decode */
 #define GGUF_CG 4             /* columns decoded side by side in the register decode */
 #define GGUF_Q41 0
@@ -1972,13 +1975,15 @@ static inline __attribute__((always_inline)) void gguf_regs(const float *x, int6
         for (int j = 0; j < C; j++) res[r * C + j] = f8_sum(acc[r][j]);
 }
 
-/* Panel tiling: rows x[0..R) (k apart) times float32 weight rows w[0..C) (k apart, a decoded panel). */
-static inline __attribute__((always_inline)) void gguf_tile(const float *x, const float *w, int64_t k, int R, int C,
-                                                            float *res) {
+/* Panel tiling over k in [i0, i1): rows x[0..R) (k apart) times float32 weight rows w[0..C) (k apart, a
+ * decoded panel); the R x C chains continue from acc[r * GGUF_NR + j] and are left there, so a pass over k
+ * in blocks runs the same fused multiply-adds in the same order as one pass. */
+static inline __attribute__((always_inline)) void gguf_tile(const float *x, const float *w, int64_t k, int64_t i0,
+                                                            int64_t i1, int R, int C, f8 *acc_io) {
     f8 acc[GGUF_MR][GGUF_NR];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) acc[r][j] = f8_zero();
-    for (int64_t i = 0; i < k; i += 8) {
+        for (int j = 0; j < C; j++) acc[r][j] = acc_io[r * GGUF_NR + j];
+    for (int64_t i = i0; i < i1; i += 8) {
         f8 wv[GGUF_NR];
         for (int j = 0; j < C; j++) wv[j] = f8_ld(w + j * k + i);
         for (int r = 0; r < R; r++) {
@@ -1988,7 +1993,7 @@ static inline __attribute__((always_inline)) void gguf_tile(const float *x, cons
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) res[r * GGUF_NR + j] = f8_sum(acc[r][j]);
+        for (int j = 0; j < C; j++) acc_io[r * GGUF_NR + j] = acc[r][j];
 }
 
 #define GGUF_REGS_R(FMT, C, c0, res)                                                                      \
@@ -2015,14 +2020,15 @@ static void gguf_regs_fmt(const float *x, int64_t k, const gguf_w *W, int fmt, i
 
 #define GGUF_TILE_R(C)                                                                                     \
     switch (R) {                                                                                           \
-    case 6: gguf_tile(x, w, k, 6, C, res); break;                                                          \
-    case 5: gguf_tile(x, w, k, 5, C, res); break;                                                          \
-    case 4: gguf_tile(x, w, k, 4, C, res); break;                                                          \
-    case 3: gguf_tile(x, w, k, 3, C, res); break;                                                          \
-    case 2: gguf_tile(x, w, k, 2, C, res); break;                                                          \
-    default: gguf_tile(x, w, k, 1, C, res); break;                                                         \
+    case 6: gguf_tile(x, w, k, i0, i1, 6, C, acc); break;                                                  \
+    case 5: gguf_tile(x, w, k, i0, i1, 5, C, acc); break;                                                  \
+    case 4: gguf_tile(x, w, k, i0, i1, 4, C, acc); break;                                                  \
+    case 3: gguf_tile(x, w, k, i0, i1, 3, C, acc); break;                                                  \
+    case 2: gguf_tile(x, w, k, i0, i1, 2, C, acc); break;                                                  \
+    default: gguf_tile(x, w, k, i0, i1, 1, C, acc); break;                                                 \
     }
-static void gguf_tile_any(const float *x, const float *w, int64_t k, int R, int C, float *res) {
+static void gguf_tile_any(const float *x, const float *w, int64_t k, int64_t i0, int64_t i1, int R, int C,
+                          f8 *acc) {
     if (C == GGUF_NR) { GGUF_TILE_R(GGUF_NR) }
     else { GGUF_TILE_R(1) }
 }
@@ -2043,6 +2049,32 @@ static void gguf_panel(const gguf_w *W, int64_t c0, int64_t nc, float *wp) {
  * dot8 sums of every output; bias added in float32 after. Returns 0 if the panel buffers cannot be
  * allocated, else 1. */
 #define DEFINE_GGUF_LINEAR(SUF, T)                                                                             \
+/* The panel tiling for output columns c0 .. c0 + nc (decoded in wp [nc][k]) and all m rows: per tile of       \
+ * GGUF_MR rows, k in blocks of GGUF_KB (the rows' block stays in L1 while every column pair of the panel      \
+ * runs over it; the chains carried between blocks in acc), then the dot8 sums, bias, store. */                \
+static void gguf_panel_rows_##SUF(const float *xf, int64_t m, int64_t k, const float *wp, int64_t nc,          \
+                                  int64_t c0, const T *bias, T *out, int64_t ldo) {                            \
+    int64_t kb = k > GGUF_KB + GGUF_KB / 2 ? GGUF_KB : k;                                                      \
+    for (int64_t r = 0; r < m; r += GGUF_MR) {                                                                 \
+        int R = m - r < GGUF_MR ? (int)(m - r) : GGUF_MR;                                                      \
+        f8 acc[GGUF_PANEL / GGUF_NR][GGUF_MR * GGUF_NR];                                                       \
+        for (int64_t p = 0; p < (nc + GGUF_NR - 1) / GGUF_NR; p++)                                             \
+            for (int i = 0; i < GGUF_MR * GGUF_NR; i++) acc[p][i] = f8_zero();                                 \
+        for (int64_t i0 = 0; i0 < k; i0 += kb) {                                                               \
+            int64_t i1 = i0 + kb < k ? i0 + kb : k;                                                            \
+            for (int64_t j = 0; j < nc; j += GGUF_NR) {                                                        \
+                int C = nc - j < GGUF_NR ? (int)(nc - j) : GGUF_NR;                                            \
+                gguf_tile_any(xf + r * k, wp + j * k, k, i0, i1, R, C, acc[j / GGUF_NR]);                      \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int i = 0; i < R; i++)                                                                            \
+            for (int64_t j = 0; j < nc; j++) {                                                                 \
+                float v = f8_sum(acc[j / GGUF_NR][i * GGUF_NR + j % GGUF_NR]);                                 \
+                if (bias) v += LD_##SUF(bias + c0 + j);                                                        \
+                ST_##SUF(out + (r + i) * ldo + c0 + j, v);                                                     \
+            }                                                                                                  \
+    }                                                                                                          \
+}                                                                                                              \
 static int gguf_linear_##SUF(const float *xf, int64_t m, int64_t k, const gguf_w *W, int64_t n, const T *bias,  \
                              T *out, int64_t ldo) {                                                            \
     int panels = m >= GGUF_GEMM_MIN_ROWS;                                                                      \
@@ -2057,19 +2089,16 @@ static int gguf_linear_##SUF(const float *xf, int64_t m, int64_t k, const gguf_w
         int64_t c0 = t * cols, nc = n - c0 < cols ? n - c0 : cols;                                             \
         float *wp = panels ? wbuf + (size_t)THREAD_ID() * (size_t)(GGUF_PANEL * k) : NULL;                     \
         if (panels) gguf_panel(W, c0, nc, wp);                                                                 \
-        int64_t rows = panels ? GGUF_MR : GGUF_RR;                                                             \
-        for (int64_t r = 0; r < m; r += rows) {                                                                \
-            int R = m - r < rows ? (int)(m - r) : (int)rows;                                                   \
-            int64_t step = panels ? GGUF_NR : GGUF_CG;                                                         \
-            for (int64_t j = 0; j < nc; j += step) {                                                           \
-                int C = nc - j < step ? (int)(nc - j) : (int)step;                                             \
-                float res[GGUF_MR * GGUF_NR > GGUF_RR * GGUF_CG ? GGUF_MR * GGUF_NR : GGUF_RR * GGUF_CG];      \
-                int ld = C;                                                                                    \
-                if (panels) { gguf_tile_any(xf + r * k, wp + j * k, k, R, C, res); ld = GGUF_NR; }             \
-                else gguf_regs_fmt(xf + r * k, k, W, W->fmt, c0 + j, R, C, res);                       \
+        if (panels) { gguf_panel_rows_##SUF(xf, m, k, wp, nc, c0, bias, out, ldo); continue; }               \
+        for (int64_t r = 0; r < m; r += GGUF_RR) {                                                             \
+            int R = m - r < GGUF_RR ? (int)(m - r) : GGUF_RR;                                                  \
+            for (int64_t j = 0; j < nc; j += GGUF_CG) {                                                        \
+                int C = nc - j < GGUF_CG ? (int)(nc - j) : GGUF_CG;                                            \
+                float res[GGUF_RR * GGUF_CG];                                                                  \
+                gguf_regs_fmt(xf + r * k, k, W, W->fmt, c0 + j, R, C, res);                                    \
                 for (int i = 0; i < R; i++)                                                                    \
                     for (int jj = 0; jj < C; jj++) {                                                           \
-                        float v = res[i * ld + jj];                                                            \
+                        float v = res[i * C + jj];                                                             \
                         if (bias) v += LD_##SUF(bias + c0 + j + jj);                                           \
                         ST_##SUF(out + (r + i) * ldo + c0 + j + jj, v);                                        \
                     }                                                                                          \
