@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from idleless.spec.adaptive import (CATCHUP_HORIZON, DECAY, PRIOR_WEIGHT, WINDOW, AdaptiveProposer, StepCost,
-                                    expected_tokens)
+from idleless.spec.adaptive import (CATCHUP_HORIZON, DECAY, MIN_SAMPLES, PLAIN_REFRESH, PRIOR_WEIGHT, WINDOW,
+                                    AdaptiveProposer, StepCost, expected_tokens)
 from idleless.spec.proposer import Proposer
 
 
@@ -58,9 +58,9 @@ def test_step_cost_interpolates_scales_below_and_is_flat_above():
     assert StepCost().predict(4) is None
     one = StepCost()
     one.add(4, 0.2)
-    assert one.predict(4) is None and not one.measured(4)  # a bucket is trusted after MIN_SAMPLES samples
+    assert one.predict(4) is None and one.samples(4) == 1  # a bucket is trusted after MIN_SAMPLES samples
     one.add(3, 0.4)
-    assert one.measured(3) and one.measured(4) and not one.measured(5)  # bucket (2, 4]
+    assert one.samples(3) == one.samples(4) == 2 and one.samples(5) == 0  # bucket (2, 4]
     assert one.predict(3.5) == pytest.approx(0.3)
 
 
@@ -273,3 +273,28 @@ def test_a_prompt_catch_up_is_not_charged_to_the_draft_steps(monkeypatch):
             ctl.propose([req], [3])
         assert ctl.draft_step_cost.predict(1) == pytest.approx(per_step)
         assert ctl.catchup_cost.predict(200) == (pytest.approx(catchup) if catchup else None)
+
+
+def test_the_plain_step_is_measured_again_until_its_window_is_full():
+    """Plain 2-token steps measured twice on a busy moment (0.5 s), verifies cheap: speculation runs,
+    and after PLAIN_REFRESH * n steps with guesses one step is plain (n: the bucket's samples), until
+    the bucket holds WINDOW samples; the median then is the quiet plain step's cost."""
+    ctl = AdaptiveProposer(Fixed(), max_draft=3)
+    for _ in range(MIN_SAMPLES):
+        ctl.observe_step(2, 0, 0.5)
+    plain_at = []
+    for step in range(2000):
+        drafts = ctl.propose([rec("a"), rec("b")], [5, 5])
+        m = sum(map(len, drafts))
+        if m == 0:
+            plain_at.append(step)
+        ctl.observe_step(2 + m, m, 0.05 if m == 0 else 0.06 + 0.001 * m)
+    n, expect, on = MIN_SAMPLES, [], 0
+    for step in range(2000):  # the schedule by hand
+        if n < WINDOW and on >= PLAIN_REFRESH * n:
+            expect.append(step)
+            n, on = n + 1, 0
+        else:
+            on += 1
+    assert plain_at == expect and len(plain_at) == WINDOW - MIN_SAMPLES
+    assert ctl.step_cost.predict(2) == pytest.approx(0.05)

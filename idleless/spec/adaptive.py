@@ -31,7 +31,8 @@ of the rate (the estimate plus ``OPTIMISM / sqrt(1 + evidence)``), and the evide
 without drafts decays, so a request is probed again a while after its guesses stopped paying (the
 exploration of UCB1, Auer et al. 2002). A plain step of the batch's size is always measured before
 a verify is judged against it (until its bucket holds ``MIN_SAMPLES`` steps, speculation is off): a
-verify must never be compared with a guess of what plain decoding costs. The step-cost model is flat
+verify must never be compared with a guess of what plain decoding costs; and it is measured again
+now and then (``PLAIN_REFRESH``) until its bucket is full, so one taken on a busy moment is corrected. The step-cost model is flat
 above the largest measured step, so a larger verify is assumed no dearer than that and gets tried
 (and measured).
 """
@@ -64,6 +65,9 @@ WINDOW = 9
 # A catch-up is charged over at most this many of the request's remaining tokens (a request may end
 # at EOS long before its max_tokens).
 CATCHUP_HORIZON = 128
+# While the plain step of the batch's size has n < WINDOW samples, one step in PLAIN_REFRESH * n
+# speculating ones is plain, so a plain cost measured on a busy moment gets corrected.
+PLAIN_REFRESH = 8
 # Accepted-length histogram size for the metrics (0 .. MAX_HIST accepted guesses per verify).
 MAX_HIST = 16
 
@@ -92,9 +96,9 @@ class StepCost:
         self._buckets.setdefault(_bucket(tokens), collections.deque(maxlen=WINDOW)).append((float(tokens), seconds))
         self._pts = None
 
-    def measured(self, tokens: float) -> bool:
-        """Whether the bucket holding ``tokens`` (>= 1) is trusted."""
-        return len(self._buckets.get(_bucket(tokens), ())) >= MIN_SAMPLES
+    def samples(self, tokens: float) -> int:
+        """Samples (at most ``WINDOW``) in the bucket holding ``tokens`` (>= 1); trusted from ``MIN_SAMPLES``."""
+        return len(self._buckets.get(_bucket(tokens), ()))
 
     def predict(self, tokens: float):
         """Predicted seconds for a step of ``tokens`` tokens, or None before any bucket is trusted."""
@@ -142,6 +146,7 @@ class AdaptiveProposer(Proposer):
         self.num_accepted_tokens = 0
         self.num_steps_on = 0
         self.num_steps_off = 0
+        self._on_since_plain = 0  # steps with guesses since the last one without
         self.draft_seconds = 0.0
         self.accepted_hist = [0] * (MAX_HIST + 1)
 
@@ -168,13 +173,14 @@ class AdaptiveProposer(Proposer):
         the amortised catch-up of the drafting ones; so for every depth cap d and every m, the m
         guesses of highest value ``a**j`` with j <= d are taken (once among all requests, once among
         those without a catch-up), and the best ratio wins (the fewest guesses on a tie). Exact when drafting is free (a tie-free top-m is then optimal); near it
-        otherwise. All zeros when no guess pays (speculation off) and while a plain step of this
-        batch size is not measured yet."""
+        otherwise. All zeros when no guess pays (speculation off), while a plain step of this
+        batch size is not measured yet, and for the plain refreshes (``PLAIN_REFRESH``)."""
         caps = [min(r, self.max_draft) for r in room]
         if not self.adaptive:
             return caps
         B = len(rates)
-        if not self.step_cost.measured(B):  # measure plain decoding at this batch size first
+        n = self.step_cost.samples(B)  # measure plain decoding at this batch size first, and refresh it
+        if n < MIN_SAMPLES or (n < WINDOW and self._on_since_plain >= PLAIN_REFRESH * n):
             return [0] * B
         t_plain = self.step_cost.predict(B)
         charge = self._catchup_charges(rates, room, caps, catchup)
@@ -231,9 +237,11 @@ class AdaptiveProposer(Proposer):
         catchup = self.inner.catchup_tokens(requests) if self.adaptive else ()
         ks = self.draft_lengths([self.planning_rate(r.rid) for r in requests], max_tokens, catchup)
         if not any(ks):
+            self._on_since_plain = 0
             self.num_steps_off += 1
             self._drift(requests)
             return [[] for _ in requests]
+        self._on_since_plain += 1
         t0 = time.perf_counter()
         drafts = [list(d[:k]) for d, k in zip(self.inner.propose(requests, ks), ks)]
         dt = time.perf_counter() - t0
