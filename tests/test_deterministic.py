@@ -194,6 +194,54 @@ def test_composite_rows_are_batch_invariant_with_shared_segments(kind):
     assert torch.equal(batch[1], alone[0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graph_calls_chunk_attn_by_address_with_merged_segments(det_model, dtype):
+    """Four decode rows: all share 64 tokens, rows 0-1 and rows 2-3 share 130 each (after alignment, a
+    64-key segment for all four, then two disjoint 64-key segments that ``prepare`` merges into one call).
+    The decode graph (chunk_attn called by address, the softmax state in its own buffers) gives the
+    module path's hidden states bitwise, and each row's hidden state equals that row decoded alone."""
+    from idleless.model.runner import ForwardBatch, ModelRunner
+
+    if cpu_kernels.load(getattr(torch, dtype)) is None:
+        pytest.skip("no C compiler: the fused kernels are off")
+    runner = ModelRunner(EngineConfig(model=det_model, dtype=dtype, kv_cache_memory=str(2048 * TINY_BYTES),
+                                      num_threads=TEST_THREADS, enable_deterministic_inference=True))
+    pool, graph = runner.pool, runner.decode_graph
+    assert graph is not None
+    common = pool.alloc(0, 0, 64)
+    groups = [torch.cat([common, pool.alloc(0, 0, 66)]) for _ in range(2)]
+    tables = [torch.cat([groups[i // 2], pool.alloc(0, 0, 3 + i)]) for i in range(4)]
+    ids = lambda n, seed: torch.tensor(_ids(n, seed))
+    prefill = [t[:-1] for t in tables]  # every prompt but its last token, one extend each
+    for i, t in enumerate(prefill):
+        runner.model.hidden_states(ids(t.numel(), 40 + i), torch.arange(t.numel()), runner.backend,
+                                   runner.backend.prepare([t.numel()], [0], [t]), t, torch.tensor([0]))
+    last = torch.stack([t[-1] for t in tables])
+    pos = torch.tensor([t.numel() - 1 for t in tables])
+    tok = ids(4, 50)
+
+    def decode(rows):
+        b = ForwardBatch(tok[rows], pos[rows], last[rows], [1] * len(rows), pos[rows].tolist(),
+                         [tables[r] for r in rows], torch.arange(len(rows)))
+        return b, runner.backend.prepare(b.extend_lens, b.prefix_lens, b.slot_tables)
+
+    b, meta = decode([0, 1, 2, 3])
+    (part, plan), = meta.parts
+    assert meta.alone and [int(c.key_offsets.numel()) - 1 for c in plan.segments] == [1, 2]
+    module_calls = []
+    runner.backend.forward = lambda *a: module_calls.append(a) or type(runner.backend).forward(runner.backend, *a)
+    got = graph.hidden_states(b.input_ids, b.positions, meta, b.out_cache_loc, b.sample_rows)
+    del runner.backend.forward
+    assert not module_calls, "the graph should call chunk_attn itself"
+    want = runner.model.hidden_states(b.input_ids, b.positions, runner.backend, meta, b.out_cache_loc,
+                                      b.sample_rows)
+    assert torch.equal(got, want)
+    for r in range(4):
+        b1, m1 = decode([r])
+        assert torch.equal(graph.hidden_states(b1.input_ids, b1.positions, m1, b1.out_cache_loc, b1.sample_rows)[0],
+                           got[r])
+
+
 # ---------------------------------------------------------------------------------------------
 # the engine: one request's tokens and logprobs under every batch, cache and chunking condition
 # ---------------------------------------------------------------------------------------------

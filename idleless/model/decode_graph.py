@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from idleless.model.attention.decode import FusedDecodeAttention
+from idleless.model.attention.invariant import ChunkedAttention
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import CpuKernelOps
 
@@ -92,6 +93,7 @@ class DecodeGraph:
         kern = self.kernels
         self._rms_norm, self._rope, self._silu_mul = kern._rms_norm, kern._rope, kern._silu_mul
         self._kv_write, self._decode_attn = kern._kv_write, kern._decode_attn
+        self._chunk_attn = kern._chunk_attn
         self._views: dict[int, _Views] = {}
 
     @classmethod
@@ -153,12 +155,15 @@ class DecodeGraph:
         """When the whole batch is one part of the fused decode kernel over a pool in the model's dtype
         (decode rows and short tails without shared segments: ``meta.alone``), the per-layer attention
         as the composite runs it — K and V written into the pool, then ``decode_attn`` — with the kernels
-        called by address and the output in the graph's buffer: ``f(layer) -> [T, H * D]``. Else None
-        (the composite's ``forward``)."""
+        called by address and the output in the graph's buffer: ``f(layer) -> [T, H * D]``; for
+        deterministic inference's ``ChunkedAttention`` covering the batch, ``_chunked_attention``. Else
+        None (the composite's ``forward``)."""
         backend = self.backend
         if not meta.alone or backend.pool.quantized or backend.kernels is not self.kernels:
             return None
         part, plan = meta.parts[0]
+        if type(part) is ChunkedAttention and part.kernels is self.kernels:
+            return self._chunked_attention(part, plan, out_cache_loc, v)
         if not isinstance(part, FusedDecodeAttention) or len(plan.tails) != 1:
             return None
         group = plan.tails[0]
@@ -183,4 +188,51 @@ class DecodeGraph:
             decode_attn(q_ptr, w, keep[1].data_ptr(), kc, vc, keep[2].data_ptr(), keep[3].data_ptr(), nb, h, hkv, d,
                         scale, out_f, out_t, None, keep[1].data_ptr())
             return v.attn
+        return attend
+
+    def _chunked_attention(self, part: ChunkedAttention, plan, out_cache_loc: torch.Tensor, v: _Views):
+        """Deterministic inference's attention (``ChunkedAttention`` covering the batch: its segment calls,
+        then its tail call) as the backend runs it — K and V written into the pool, the segments folded
+        into a float32 softmax state (m [T, H] -inf, l [T, H] 0, acc [T, H, D] 0 at every layer), the
+        tails continuing it into the graph's buffer — with ``chunk_attn`` called by address:
+        ``f(layer) -> [T, H * D]``. None where the plan has no tail call covering the batch."""
+        if len(plan.tails) != 1:
+            return None
+        backend = self.backend
+        t = out_cache_loc.numel()
+        h, hkv, d, kv_size, w = self.num_heads, self.num_kv_heads, self.head_dim, self.kv_size, self.qkv_width
+        loc = out_cache_loc.contiguous()
+        calls = []  # (store, index tensors kept alive, argument tuple after the pool pointers)
+        for c, store in [(c, 1) for c in plan.segments] + [(plan.tails[0], 0)]:
+            idx = tuple(x.contiguous() for x in (c.key_offsets, c.slots, c.row_offsets, c.rows)) + (
+                () if c.limits is None else (c.limits.contiguous(),))
+            if any(x.dtype != torch.int64 for x in idx):
+                return None
+            calls.append((store, idx, (c.key_offsets.numel() - 1, *(x.data_ptr() for x in idx[:4]),
+                                       idx[4].data_ptr() if len(idx) > 4 else None)))
+        state = ()
+        if plan.segments:
+            state = (torch.empty(t, h), torch.empty(t, h), torch.empty(t, h, d))
+        st_ptrs = tuple(x.data_ptr() for x in state) or (None, None, None)
+        esize = v.qkv.element_size()
+        q_ptr = v.qkv_ptr
+        k_ptr, v_ptr = q_ptr + self.q_size * esize, q_ptr + (self.q_size + self.kv_size) * esize
+        k_layers, v_layers = backend._k_layers, backend._v_layers
+        kv_write, chunk_attn, scale = self._kv_write, self._chunk_attn, part.scale
+        loc_ptr = loc.data_ptr()
+
+        def attend(i: int) -> torch.Tensor:
+            kc, vc = k_layers[i].data_ptr(), v_layers[i].data_ptr()
+            kv_write(kc, k_ptr, w, loc_ptr, t, kv_size)
+            kv_write(vc, v_ptr, w, loc_ptr, t, kv_size)
+            if state:
+                state[0].fill_(float("-inf"))
+                state[1].zero_()
+                state[2].zero_()
+            for store, _idx, args in calls:
+                if not chunk_attn(q_ptr, w, kc, vc, *args, h, hkv, d, scale, *st_ptrs, store,
+                                  None if store else v.attn_ptr):
+                    raise MemoryError("chunk_attn: cannot allocate its buffers")
+            return v.attn
+        attend.keep = (loc, calls, state)  # alive while the closure is
         return attend

@@ -43,6 +43,25 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
 
 
+def _segment_calls(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> list[ChunkCall]:
+    """Shared segments (rows int64 [R], slots int64 [L]), in nesting order, as kernel calls: each run of
+    consecutive segments whose rows are pairwise disjoint becomes one call of several items. A row sits
+    in at most one item of a call, so it folds its segments in the order given, as with a call per
+    segment (the same bits), and a step over many groups of shared prefixes pays one call, not one per
+    group."""
+    calls, run, seen = [], [], set()
+    for rows, slots in segments + [(None, None)]:
+        ids = set(rows.tolist()) if rows is not None else set()
+        if run and (rows is None or not seen.isdisjoint(ids)):
+            calls.append(ChunkCall(_offsets([int(sl.numel()) for _, sl in run]), torch.cat([sl for _, sl in run]),
+                                   _offsets([int(r.numel()) for r, _ in run]), torch.cat([r for r, _ in run]), None))
+            run, seen = [], set()
+        if rows is not None:
+            run.append((rows, slots))
+            seen |= ids
+    return calls
+
+
 class ChunkedAttention(AttentionBackend):
     """All of a batch (tails and shared segments) in one kernel family with one reduction order per
     row (module docstring). kernels: a cpu_kernels.CpuKernels of the pool's dtype."""
@@ -56,8 +75,9 @@ class ChunkedAttention(AttentionBackend):
         self.scale = head_dim ** -0.5
 
     def prepare(self, work: AttnWork) -> BackendPlan:
-        """Tails as one call (row r of a tail with p earlier keys sees p + r + 1 keys); each shared
-        segment as a call of its own, in the order given (a segment nested in another comes after it).
+        """Tails as one call (row r of a tail with p earlier keys sees p + r + 1 keys); the shared
+        segments in the order given (a segment nested in another comes after it), each run of
+        consecutive segments with disjoint rows as one call (``_segment_calls``).
         Raises ValueError under a sliding window."""
         if work.window is not None:
             raise ValueError("batch-invariant attention does not take a sliding window")
@@ -68,9 +88,7 @@ class ChunkedAttention(AttentionBackend):
             limits = [torch.arange(p + 1, p + n + 1) for p, n in zip(t.past, t.new)]
             tails.append(ChunkCall(_offsets([int(s.numel()) for s in t.slots]), torch.cat(t.slots),
                                    _offsets(list(t.new)), torch.cat(rows), torch.cat(limits)))
-        segs = [ChunkCall(_offsets([int(sl.numel())]), sl, _offsets([int(r.numel())]), r, None)
-                for r, sl in work.segments]
-        return BackendPlan(tails, segs)
+        return BackendPlan(tails, _segment_calls(work.segments))
 
     def covers_batch(self, plan: BackendPlan, num_tokens: int) -> bool:
         return bool(plan.tails) and int(plan.tails[0].rows.numel()) == num_tokens
