@@ -2110,20 +2110,22 @@ static int gguf_linear_##SUF(const float *xf, int64_t m, int64_t k, const gguf_w
 }                                                                                                              \
 int q41_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *qs, const uint16_t *d,      \
                      const uint16_t *mn, int64_t n, const T *bias, T *out, int64_t ldo) {                      \
-    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    int direct = sizeof(T) == sizeof(float) && ldx == k; /* float32 rows read in place */                      \
+    float *xf = direct ? (float *)x : rows_to_f32_##SUF(x, m, k, ldx);                                         \
     if (!xf) return 0;                                                                                         \
     gguf_w W = {GGUF_Q41, qs, d, mn, k / 32};                                                                  \
     int ok = gguf_linear_##SUF(xf, m, k, &W, n, bias, out, ldo);                                               \
-    free(xf);                                                                                                  \
+    if (!direct) free(xf);                                                                                     \
     return ok;                                                                                                 \
 }                                                                                                              \
 int q80_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t *q, const uint16_t *d,        \
                      int64_t n, const T *bias, T *out, int64_t ldo) {                                          \
-    float *xf = rows_to_f32_##SUF(x, m, k, ldx);                                                               \
+    int direct = sizeof(T) == sizeof(float) && ldx == k; /* float32 rows read in place */                      \
+    float *xf = direct ? (float *)x : rows_to_f32_##SUF(x, m, k, ldx);                                         \
     if (!xf) return 0;                                                                                         \
     gguf_w W = {GGUF_Q80, (const uint8_t *)q, d, NULL, k / 32};                                                \
     int ok = gguf_linear_##SUF(xf, m, k, &W, n, bias, out, ldo);                                               \
-    free(xf);                                                                                                  \
+    if (!direct) free(xf);                                                                                     \
     return ok;                                                                                                 \
 }
 
