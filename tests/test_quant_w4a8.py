@@ -11,6 +11,7 @@ against its PyTorch fallback, and the precision flags that select it.
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from kernel_builds import native_and_portable
 from idleless.config import EngineConfig
 from idleless.model.linear import Linear, select_linear_method
-from idleless.quant.formats import quantize_q4_1, quantize_q8_0, unpack_q4
+from idleless.quant.formats import interleave_q4_1, quantize_q4_1, quantize_q8_0, unpack_q4
 from idleless.quant.methods import Q8_0A8LinearMethod, W4A8LinearMethod, quantized_linear_method
 from idleless.quant.spec import check_precision
 
@@ -59,7 +60,8 @@ def _weight(fmt, n, k, seed=0):
                 + (mw[None].double() * sx[:, None].double()).sum(-1)
             return y if bias is None else y + bias.double()
 
-        return (lambda kern, x, b: kern.q41_a8_linear(x, qs, d, m, b)), ref
+        codes = interleave_q4_1(qs)
+        return (lambda kern, x, b: kern.q41_a8_linear(x, codes, d, m, b)), ref
     q, d = quantize_q8_0(w)
     codes_w, dw = q.long(), d.float()
 
@@ -130,12 +132,31 @@ def test_rows_alone_equal_rows_in_any_batch(fmt, n, k):
             assert torch.equal(lin(kern, x[start:start + m], None), alone[start:start + m]), (m, start)
 
 
+@pytest.mark.parametrize("n,nb", [(75, 5), (16, 18), (5, 1), (13, 4)])
+def test_interleave_q4_1_places_every_pair(n, nb):
+    """The W4A8 layout against its definition, byte by byte: column c's pair p (blocks 2p, 2p + 1, zeros
+    past nb) at 32 * (g * np + p * w + c - g) for its group start g = 8 * (c // 8) and width w."""
+    qs = torch.randint(0, 256, (n, nb, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    out = interleave_q4_1(qs)
+    np_ = (nb + 1) // 2
+    assert out.shape == (n * np_ * 32,) and out.dtype == torch.uint8
+    for c in range(n):
+        g = c // 8 * 8
+        w = min(8, n - g)
+        for p in range(np_):
+            at = 32 * (g * np_ + p * w + c - g)
+            second = qs[c, 2 * p + 1] if 2 * p + 1 < nb else torch.zeros(16, dtype=torch.uint8)
+            assert torch.equal(out[at:at + 32], torch.cat([qs[c, 2 * p], second])), (c, p)
+
+
 @needs_kernels
 def test_kernel_refuses_bad_layouts():
     kern = BUILDS[torch.float32][0]
     qs, d, m = quantize_q4_1(torch.randn(8, 64))
     with pytest.raises(ValueError, match="layout"):
-        kern.q41_a8_linear(torch.randn(2, 96), qs, d, m)
+        kern.q41_a8_linear(torch.randn(2, 96), interleave_q4_1(qs), d, m)
+    with pytest.raises(ValueError, match="layout"):  # GGUF's own [N, K/32, 16], not the W4A8 layout
+        kern.q41_a8_linear(torch.randn(2, 64), qs, d, m)
     with pytest.raises(ValueError, match="multiple of 32"):
         kern.a8_quantize(torch.randn(2, 40))
 
@@ -156,11 +177,14 @@ def test_method_kernel_against_its_fallback(dtype, head):
     fast, slow = (W4A8LinearMethod(kernels=k) for k in (kern, None))
     if head:
         fast, slow = fast.head_method, slow.head_method
+    slow_layer = copy.deepcopy(layer)  # the kernel's codes are in its own layout (formats.interleave_q4_1)
     fast.process_after_load(layer)
+    slow.process_after_load(slow_layer)
+    assert fast.apply(layer, torch.zeros(0, 96, dtype=dtype)).shape == (0, 40)
     for m in BATCHES:
         x = _x(m, 96, dtype, seed=m)
         y = fast.apply(layer, x)
-        expect = slow.apply(layer, x)
+        expect = slow.apply(slow_layer, x)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -8
         torch.testing.assert_close(y.float(), expect.float(), rtol=tol, atol=tol)
 

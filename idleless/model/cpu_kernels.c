@@ -2221,7 +2221,10 @@ DEFINE_LUT8(bf16, uint16_t)
  * of the call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns
  * (fewer rows: 2 or 1 x 4; a single Q4_1 row on AVX2: 8 columns, a8_row8_q41, the same chains) decode each
  * weight block once per tile and load each activation block once per tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
- * weight once); the weight is prefetched A8_AHEAD columns ahead. */
+ * weight once); the weight is prefetched A8_AHEAD columns ahead. Q4_1's codes come in W4A8's own layout,
+ * 8 columns interleaved pair by pair (a8_q41_at; the float16 steps and minima stay GGUF's [n][nb]): a
+ * one-row tile reads one contiguous stream instead of 8 (the whole-model sweep of SmolLM2's linears from
+ * memory ran 1.25x faster on one AVX2 thread, benchmarks/README.md). */
 #define A8_RR 4       /* most rows per register tile (4 x 2; 2 x 4 and 1 x 4 for fewer rows) */
 #define A8_CG 4       /* most columns per register tile */
 #define A8_COLS 16    /* output columns per thread task */
@@ -2276,6 +2279,17 @@ static inline void a8_prefetch_factors(const uint16_t *wd, const uint16_t *wm, i
  * offset of feature e of block b in a row */
 static inline int64_t a8_pair_at(int64_t b, int e) { return 64 * (b / 2) + 32 * (e / 16) + 16 * (b % 2) + e % 16; }
 
+/* Q4_1's weight layout here (W4A8's own, repacked once at load: formats.interleave_q4_1): output columns in
+ * groups of A8_GROUP (the last group the n % A8_GROUP left), a group's block pairs in order, a pair holding
+ * each column of the group in order, 32 bytes each: GGUF's 16 bytes of block 2p, then of block 2p + 1 (zero
+ * where nb is odd and 2p + 1 = nb). A one-row tile of a whole group reads one contiguous stream; the address
+ * of column c's pair p, np = (nb + 1) / 2 pairs per column: */
+#define A8_GROUP 8
+static inline const uint8_t *a8_q41_at(const uint8_t *wq, int64_t n, int64_t np, int64_t c, int64_t p) {
+    int64_t g = c / A8_GROUP * A8_GROUP, w = n - g < A8_GROUP ? n - g : A8_GROUP;
+    return wq + 32 * (g * np + p * w + (c - g));
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* the eight lanes of one Q8_0 block's integer dot product (sign trick), converted to float32 (exact) */
 static inline __attribute__((always_inline)) __m256 a8_lanes(__m256i w, __m256i wa, __m256i x) {
@@ -2318,8 +2332,8 @@ static inline __attribute__((always_inline)) void a8_tile_q80(const int8_t *xq, 
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
-/* Q4_1 two blocks at a time (b, b + 1 of a column are 32 adjacent bytes): low nibbles = features 0..15 of
- * both, high nibbles = features 16..31 of both, against activation codes stored in that order (a8_pair_at);
+/* Q4_1 two blocks at a time (b, b + 1 of a column are 32 adjacent bytes, a8_q41_at; columns n): low nibbles
+ * = features 0..15 of both, high nibbles = features 16..31 of both, against activation codes stored in that order (a8_pair_at);
  * the two vpmaddubsw results added as int16 (at most 4 * 15 * 127: exact) and summed by vpmaddwd into lanes
  * 0..3 (block b, lane l: features 4l..4l+3 and 16+4l..16+4l+3) and 4..7 (block b + 1), each scaled by its
  * block's d_w d_x (a zero scale and zero codes past the last block). */
@@ -2331,28 +2345,27 @@ static inline __attribute__((always_inline)) void a8_tile_q80(const int8_t *xq, 
                                  _mm256_maddubs_epi16(hi##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p + 32)))), \
                 ones)),                                                                                    \
             _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc + (r * C + j) * nb8 + (2 * p & ~(int64_t)7)), idx), a##r##j);
-#define A8P_CODES(j, TAIL)                                                                                 \
+#define A8P_CODES(j)                                                                                       \
     if (C > j) {                                                                                           \
-        const uint8_t *wp = wq + 16 * ((c0 + j) * nb + 2 * p);                                             \
-        _mm_prefetch((const char *)(wp + 16 * A8_AHEAD * nb), _MM_HINT_T0);                                \
-        __m256i v = TAIL ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wp))                   \
-                         : _mm256_loadu_si256((const __m256i *)wp);                                        \
+        const uint8_t *wp = a8_q41_at(wq, n, np, c0 + j, p);                                               \
+        _mm_prefetch((const char *)(wp + 32 * A8_GROUP * np), _MM_HINT_T0); /* the next group's */         \
+        __m256i v = _mm256_loadu_si256((const __m256i *)wp);                                               \
         lo##j = _mm256_and_si256(v, low);                                                                  \
         hi##j = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                                            \
     }
-#define A8P_STEP(TAIL)                                                                                     \
+#define A8P_STEP                                                                                           \
     {                                                                                                      \
         __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(2 * (int)(p & 3))); \
         __m256i lo0 = _mm256_setzero_si256(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0; \
-        A8P_CODES(0, TAIL) A8P_CODES(1, TAIL) A8P_CODES(2, TAIL) A8P_CODES(3, TAIL)                        \
+        A8P_CODES(0) A8P_CODES(1) A8P_CODES(2) A8P_CODES(3)                                                \
         A8P_ACC(0, 0) A8P_ACC(0, 1) A8P_ACC(0, 2) A8P_ACC(0, 3)                                            \
         A8P_ACC(1, 0) A8P_ACC(1, 1) A8P_ACC(1, 2) A8P_ACC(1, 3)                                            \
         A8P_ACC(2, 0) A8P_ACC(2, 1) A8P_ACC(3, 0) A8P_ACC(3, 1)                                            \
     }
 static inline __attribute__((always_inline)) void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd,
-                                                              int64_t nb, const uint8_t *wq, const uint16_t *wd,
+                                                              int64_t nb, const uint8_t *wq, int64_t n, const uint16_t *wd,
                                                               int64_t c0, int R, int C, float *sc, float *res) {
-    int64_t nb8 = (nb + 7) / 8 * 8;
+    int64_t nb8 = (nb + 7) / 8 * 8, np = (nb + 1) / 2;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) {
             float *s = sc + (r * C + j) * nb8;
@@ -2363,8 +2376,7 @@ static inline __attribute__((always_inline)) void a8_tile_q41(const int8_t *xq, 
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
            a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     int64_t p = 0;
-    for (; 2 * p + 1 < nb; p++) A8P_STEP(0)
-    if (2 * p < nb) A8P_STEP(1) /* an odd last block */
+    for (; 2 * p < nb; p++) A8P_STEP /* an odd last block: its pair's zero codes past it */
     __m256 acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21}, {a30, a31}};
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
@@ -2394,7 +2406,7 @@ static inline void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k, con
 }
 /* the portable a8_tile_q41: the same lanes (see there), products summed exactly, one fmaf per lane and pair */
 static inline void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd, int64_t nb, const uint8_t *wq,
-                               const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
+                               int64_t n, const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) {
             float acc[8] = {0};
@@ -2405,7 +2417,7 @@ static inline void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd, i
                     int32_t s = 0;
                     float scale = 0.f;
                     if (b < nb) {
-                        const uint8_t *w = wq + 16 * ((c0 + j) * nb + b);
+                        const uint8_t *w = a8_q41_at(wq, n, (nb + 1) / 2, c0 + j, b / 2) + 16 * (b % 2);
                         for (int e = 4 * (l % 4); e < 4 * (l % 4) + 4; e++)
                             s += (w[e] & 0x0f) * (int32_t)xq[r * ldq + a8_pair_at(b, e)] +
                                  (w[e] >> 4) * (int32_t)xq[r * ldq + a8_pair_at(b, e + 16)];
@@ -2431,18 +2443,18 @@ static inline void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd, i
     case 2 * 8 + 1: CALL(2, 1); break;                                                                     \
     default: CALL(1, 1); break;                                                                            \
     }
-#define A8_CALL_Q41(RR, CC) a8_tile_q41(xq, ldq, xd, k / 32, wq, wd, c0, RR, CC, sc, res)
+#define A8_CALL_Q41(RR, CC) a8_tile_q41(xq, ldq, xd, k / 32, wq, n, wd, c0, RR, CC, sc, res)
 #define A8_CALL_Q80(RR, CC) a8_tile_q80(xq, xd, k, wq, wd, c0, RR, CC, sc, res)
 /* a register tile of R rows x C columns: (4 or 3) x 2, (2 or 1) x 4, or any R x 1; xq rows ldq apart
- * (Q4_1: the pair layout, a8_pair_at; Q8_0: k) */
-static void a8_tile_any(int fmt, const int8_t *xq, int64_t ldq, const float *xd, int64_t k, const uint8_t *wq,
+ * (Q4_1: the pair layout, a8_pair_at; Q8_0: k); wq: Q4_1 in a8_q41_at's layout (n columns), Q8_0 GGUF's */
+static void a8_tile_any(int fmt, const int8_t *xq, int64_t ldq, const float *xd, int64_t k, const uint8_t *wq, int64_t n,
                         const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     if (fmt == GGUF_Q41) { A8_TILE_RC(A8_CALL_Q41) }
     else { A8_TILE_RC(A8_CALL_Q80) }
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define A8_WIDE 8 /* Q4_1 columns per one-row tile (a8_row8_q41) */
+#define A8_WIDE A8_GROUP /* Q4_1 columns per one-row tile (a8_row8_q41): one group of a8_q41_at's layout */
 /* the sums of eight vectors v[0..8) in hsum8's tree at once: lane j = hsum8(v[j]) (a transpose-add: lanes
  * l + (l + 4) of v[j] and v[j + 4] in one vector, then the pairs (h0 + h2), (h1 + h3), then their sum) */
 static inline __attribute__((always_inline)) __m256 a8_hsum8x8(const __m256 *v) {
@@ -2453,19 +2465,21 @@ static inline __attribute__((always_inline)) __m256 a8_hsum8x8(const __m256 *v) 
     __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xee));
     return _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xdd));
 }
-/* a8_row8_q41's step over block pair p of its 8 columns (w8: their codes, dwf: their steps as float32); tail:
- * an odd last block, its codes alone, lanes 4..7 zero times zero */
+/* a8_row8_q41's step over block pair p of its 8 columns (w8: their group's codes, a8_q41_at; dwf: their steps
+ * as float32; np pairs per column); tail: an odd last block, its pair's codes zero past it, lanes 4..7 zero
+ * times zero. The pair's 8 columns are 256 contiguous bytes: the next group's (np pairs on) prefetched. */
 static inline __attribute__((always_inline)) void a8_row8_pair(const int8_t *xq, const uint8_t *w8, const float *dwf,
-                                                               __m256 xp, int64_t nb, int64_t p, int tail, __m256 *acc) {
+                                                               __m256 xp, int64_t nb, int64_t np, int64_t p, int tail,
+                                                               __m256 *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p)), x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
-    const uint8_t *wb = w8 + 32 * p;
+    const uint8_t *wb = w8 + 32 * A8_WIDE * p;
     const float *db = dwf + 2 * p;
 #pragma GCC unroll 8
     for (int j = 0; j < A8_WIDE; j++) {
-        const uint8_t *wp = wb + 16 * j * nb;
-        _mm_prefetch((const char *)(wp + 16 * A8_AHEAD * nb), _MM_HINT_T0);
-        __m256i v = tail ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wp)) : _mm256_loadu_si256((const __m256i *)wp);
+        const uint8_t *wp = wb + 32 * j;
+        if (j % 2 == 0) _mm_prefetch((const char *)(wp + 32 * A8_WIDE * np), _MM_HINT_T0);
+        __m256i v = _mm256_loadu_si256((const __m256i *)wp);
         __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
                                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)),
                                       ones);
@@ -2474,7 +2488,7 @@ static inline __attribute__((always_inline)) void a8_row8_pair(const int8_t *xq,
         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[j]);
     }
 }
-/* Q4_1, one row times the 8 columns c0 .. c0 + 8, the same lanes, chains and trees as a8_tile_q41 plus
+/* Q4_1, one row times the 8 columns c0 .. c0 + 8 (one whole group of a8_q41_at's layout), the same lanes, chains and trees as a8_tile_q41 plus
  * a8_minima (so the same bits): out[j] = hsum8(acc_j) + minima_j. For one row (batch-1 decode) the work
  * around the integer dot products is shared by the 8 columns: their float16 steps and minima (8 nb
  * contiguous values each) converted in one pass, the step products d_w d_x formed in registers (xpair[p]
@@ -2491,12 +2505,13 @@ static inline void a8_row8_q41(const int8_t *xq, const __m256 *xpair, const floa
     }
     _mm256_storeu_ps(dwf + A8_WIDE * nb, _mm256_setzero_ps());
     _mm256_storeu_ps(mwf + A8_WIDE * nb, _mm256_setzero_ps());
-    const uint8_t *w8 = wq + 16 * c0 * nb;
+    int64_t np = (nb + 1) / 2;
+    const uint8_t *w8 = wq + 32 * c0 * np;
     __m256 acc[A8_WIDE];
     for (int j = 0; j < A8_WIDE; j++) acc[j] = _mm256_setzero_ps();
     int64_t p = 0;
-    for (; 2 * p + 1 < nb; p++) a8_row8_pair(xq, w8, dwf, xpair[p], nb, p, 0, acc);
-    if (2 * p < nb) a8_row8_pair(xq, w8, dwf, xpair[p], nb, p, 1, acc); /* an odd last block */
+    for (; 2 * p + 1 < nb; p++) a8_row8_pair(xq, w8, dwf, xpair[p], nb, np, p, 0, acc);
+    if (2 * p < nb) a8_row8_pair(xq, w8, dwf, xpair[p], nb, np, p, 1, acc); /* an odd last block */
     /* the minima: lane l of column j the chain over blocks l, l + 8, ...; past nb zero times zero */
     int64_t nf = nb / 8 * 8;
     const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nb - nf)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -2656,7 +2671,7 @@ static void a8_task_##SUF(const a8_job_##SUF *J, int64_t t, int64_t nrt) {      
             int C = c1 - c >= CT ? CT : 1; /* the last columns one at a time */                                \
             if (r == r0) a8_prefetch_factors(J->wd, J->wm, c + A8_AHEAD, C, nb, n);                           \
             float res[A8_RR * A8_CG];                                                                          \
-            a8_tile_any(J->fmt, J->xq + r * J->ldq, J->ldq, J->xd + r * nb, k, J->wq, J->wd, c, R, C, sc, res); \
+            a8_tile_any(J->fmt, J->xq + r * J->ldq, J->ldq, J->xd + r * nb, k, J->wq, n, J->wd, c, R, C, sc, res); \
             for (int i = 0; i < R; i++)                                                                        \
                 for (int j = 0; j < C; j++) {                                                                  \
                     float v = res[i * C + j];                                                                  \

@@ -621,22 +621,24 @@ class CpuKernels:
             self._a8_quantize(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), d.data_ptr(), s.data_ptr())
         return q, d, s
 
-    def q41_a8_linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+    def q41_a8_linear(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """W4A8: y = x W^T (+ bias) for W in GGUF Q4_1 blocks (qs uint8 [N, K/32, 16], d and m float16
-        [N, K/32], contiguous) with x [M, K] (the kernels' dtype, rows may be strided) quantised per block
-        of 32 features as ``a8_quantize``; integer products per block, exact, scaled by d_w * d_x, plus
+        """W4A8: y = x W^T (+ bias) for W in GGUF Q4_1 blocks — codes uint8 [N * ceil(K/64) * 32] in the
+        W4A8 layout (``formats.interleave_q4_1`` of GGUF's [N, K/32, 16]), d and m float16 [N, K/32],
+        contiguous — with x [M, K] (the kernels' dtype, rows may be strided) quantised per block of 32
+        features as ``a8_quantize``; integer products per block, exact, scaled by d_w * d_x, plus
         m_w * s_x (llama.cpp's ggml_vec_dot_q4_1_q8_1 arithmetic) -> new [M, N] in the kernels' dtype.
         Each output is one fixed-order float32 computation for any M (batch-invariant) and the same bits
         on the AVX2 and the portable build. Raises ValueError on a layout mismatch, MemoryError when
         the activation buffer cannot be allocated."""
-        n, nb, _ = qs.shape
+        n, nb = d.shape
         k = x.shape[1]
-        if (qs.dtype != torch.uint8 or qs.shape[2] != 16 or nb * 32 != k or not qs.is_contiguous()
+        if (codes.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() != n * ((nb + 1) // 2) * 32 or nb * 32 != k
+                or not codes.is_contiguous()
                 or any(t.dtype != torch.float16 or t.shape != (n, nb) or not t.is_contiguous() for t in (d, m))):
             raise ValueError("q41_a8_linear: layout mismatch")
         out = self._quant_rows(x, bias, n, "q41_a8_linear")
-        if x.shape[0] and not self._q41_a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), qs.data_ptr(),
+        if x.shape[0] and not self._q41_a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), codes.data_ptr(),
                                                   d.data_ptr(), m.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("q41_a8_linear: cannot allocate the activation buffer")
         return out

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from idleless.model.linear import LinearMethod
-from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, quantize_q4_0, quantize_q4_1,
-                                    quantize_q8_0, quantize_rows)
+from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, interleave_q4_1, quantize_q4_0,
+                                    quantize_q4_1, quantize_q8_0, quantize_rows)
 
 #: output channels dequantised at a time by ``apply``
 COL_TILE = 2048
@@ -205,7 +205,7 @@ class Q4LinearMethod(QuantizedLinearMethod):
         return self.kernels.q41_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
 
     def kernel_into(self, layer, x, out):
-        return self.layout == "q4_1" and _gguf_into(self.kernels._q41_linear, layer, x, out)
+        return self.layout == "q4_1" and _gguf_into(self.kernels._q41_linear, layer, layer.quant["qs"], x, out)
 
     def quantize(self, weight):
         if self.layout == "q4_1":
@@ -265,7 +265,7 @@ def quantize_act_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations to int8 per block of 32 features, as ``cpu_kernels.a8_quantize`` (llama.cpp's Q8_1
     without its sums): x [M, K] (K a multiple of 32) -> (codes int8 [M, K], d float32 [M, K/32]),
     d = max|block| / 127 in float32, codes = round(x / d) half to even (zeros for an all-zero block)."""
-    xb = x.float().reshape(x.shape[0], -1, 32)
+    xb = x.float().reshape(x.shape[0], x.shape[1] // 32, 32)
     d = xb.abs().amax(-1) / 127
     codes = (xb / torch.where(d != 0, d, torch.ones_like(d))[..., None]).round_().clamp_(-127, 127)
     return codes.to(torch.int8).reshape(x.shape), d
@@ -284,7 +284,7 @@ class _BlockAct8:
 
     def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
         codes, d = quantize_act_blocks(x)
-        xh = (codes.float().reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+        xh = (codes.float().reshape(d.shape[0], d.shape[1], 32) * d[..., None]).reshape(x.shape)
         n = layer.weight.shape[0]
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         for n0 in range(0, n, COL_TILE):
@@ -309,29 +309,43 @@ class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
     """W4A8 as llama.cpp runs GGUF Q4_1 files: Q4_1 weights (``Q4LinearMethod``'s blocks, the GGUF file's
     own bits) times activations quantised at run time to int8 per block of 32 features (d_x =
     max|x_block| / 127, dynamic); per block (d_w d_x) sum u q_x + m_w s_x with s_x = d_x sum q_x, the
-    integer sums exact (``cpu_kernels.q41_a8_linear``). The output layer in Q8_0 with int8 activations
-    (``Q8_0A8LinearMethod``). Raises ValueError at load for in_features not divisible by 32."""
+    integer sums exact (``cpu_kernels.q41_a8_linear``). With the kernels the codes are kept only in the
+    kernels' layout (``layer.quant["codes"]``, ``formats.interleave_q4_1``: 8 columns interleaved pair by
+    pair, repacked once per weight change; ``d`` and ``m`` as GGUF's) and every batch, empty ones too,
+    runs on the kernel; without them ``layer.quant`` is ``Q4LinearMethod``'s. The output layer in Q8_0
+    with int8 activations (``Q8_0A8LinearMethod``). Raises ValueError at load for in_features not
+    divisible by 32."""
 
     def __init__(self, row_tile: Optional[int] = None, kernels=None):
         super().__init__(row_tile, "q4_1", kernels)
         self.head_method = Q8_0A8LinearMethod(row_tile, kernels)
 
+    def quantize(self, weight):
+        qt = super().quantize(weight)
+        if self.kernels is not None:
+            qt = {"codes": interleave_q4_1(qt.pop("qs")), **qt}
+        return qt
+
+    def on_kernel(self, m: int) -> bool:
+        return self.kernels is not None
+
     def kernel_apply(self, layer, x):
         qt = layer.quant
-        return self.kernels.q41_a8_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
+        return self.kernels.q41_a8_linear(x, qt["codes"], qt["d"], qt["m"], layer.bias)
 
     def kernel_into(self, layer, x, out):
-        return _gguf_into(self.kernels._q41_a8_linear, layer, x, out)
+        return _gguf_into(self.kernels._q41_a8_linear, layer, layer.quant["codes"], x, out)
 
 
-def _gguf_into(fn, layer, x: torch.Tensor, out: torch.Tensor) -> bool:
+def _gguf_into(fn, layer, codes: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
     """A Q4_1 kernel entry point (``q41_linear`` / ``q41_a8_linear``: the ctypes function) on x [M, K]
-    (contiguous rows) written into out [M, N]: the layer's blocks passed by address, no checks or
-    output tensor (the decode graph's buffers have a fixed layout). Raises MemoryError when the
-    kernel cannot allocate its buffers; returns True."""
+    (contiguous rows) written into out [M, N]: the layer's codes (in the layout ``fn`` reads) and
+    float16 factors ``layer.quant["d"]`` / ``["m"]`` [N, K/32] passed by address, no checks or output
+    tensor (the decode graph's buffers have a fixed layout). Raises MemoryError when the kernel cannot
+    allocate its buffers; returns True."""
     qt, bias = layer.quant, layer.bias
-    n, nb, _ = qt["qs"].shape
-    if not fn(x.data_ptr(), x.shape[0], nb * 32, x.stride(0), qt["qs"].data_ptr(), qt["d"].data_ptr(),
+    n, nb = qt["d"].shape
+    if not fn(x.data_ptr(), x.shape[0], nb * 32, x.stride(0), codes.data_ptr(), qt["d"].data_ptr(),
               qt["m"].data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0)):
         raise MemoryError("Q4_1 linear: cannot allocate the kernel's buffers")
     return True
