@@ -14,7 +14,7 @@ lm_head does not fit).
 ``sweep``: one row through all of SmolLM2's W4A8 linears as a decode step reads them — 30 layers of
 distinct Q4_1 weights (66 MB, from memory like the model's) then the Q8_0 lm_head — in ms per step: the
 linears, the head alone, both. With OLD.so (a build of an earlier ``cpu_kernels.c`` whose
-``q41_a8_linear`` took GGUF's own [N, K/32, 16] codes) old and new alternate, 5 rounds of 10 steps, best.
+``q41_a8_linear`` / ``q80_a8_linear`` took GGUF's own codes, before 2026-12-02 10:00) old and new alternate, 5 rounds of 10 steps, best.
 """
 
 import ctypes
@@ -24,7 +24,7 @@ import time
 import torch
 
 from idleless.model import cpu_kernels
-from idleless.quant.formats import interleave_q4_1, quantize_q4_1, quantize_q8_0
+from idleless.quant.formats import interleave_q4_1, interleave_q8_0, quantize_q4_1, quantize_q8_0
 
 SHAPES = [("qkv", 960, 576, "q4_1"), ("o", 576, 576, "q4_1"), ("gate_up", 3072, 576, "q4_1"),
           ("down", 576, 1536, "q4_1"), ("lm_head", 49152, 576, "q8_0")]
@@ -49,10 +49,11 @@ def kernels(rows: int, threads: list[int]) -> None:
                    kern._q41_a8_linear(*a, *p)}
         else:
             q, d = quantize_q8_0(w)
+            codes = interleave_q8_0(q)
             nbytes = q.numel() + 2 * d.numel()
-            args = (q.data_ptr(), d.data_ptr(), n, None, op, n)
-            fns = {"float x": lambda *a, p=args: kern._q80_linear(*a, *p),
-                   "int8 x": lambda *a, p=args: kern._q80_a8_linear(*a, *p)}
+            fns = {"float x": lambda *a, p=(q.data_ptr(), d.data_ptr(), n, None, op, n): kern._q80_linear(*a, *p),
+                   "int8 x": lambda *a, p=(codes.data_ptr(), d.data_ptr(), n, None, op, n):
+                   kern._q80_a8_linear(*a, *p)}
         reps = max(2, int(1e8 / nbytes / rows ** 0.5))
         for th in threads:
             torch.set_num_threads(th)
@@ -93,6 +94,7 @@ def sweep(threads: int, old: str | None) -> None:
             layers.append((n, k, {False: qs, True: interleave_q4_1(qs)}, d, m, torch.randn(1, k, generator=g),
                            torch.empty(1, n)))
     hq, hd = quantize_q8_0(torch.randn(49152, 576, generator=g) * 576 ** -0.5)
+    hq = {False: hq, True: interleave_q8_0(hq)}
     hx, ho = torch.randn(1, 576, generator=g), torch.empty(1, 49152)
     total = sum(c[True].numel() + 4 * d.numel() for _, _, c, d, *_ in layers)
 
@@ -101,8 +103,8 @@ def sweep(threads: int, old: str | None) -> None:
             lib.q41_a8_linear_f32(x.data_ptr(), 1, k, k, codes[interleaved].data_ptr(), d.data_ptr(), m.data_ptr(), n,
                                   None, o.data_ptr(), n)
 
-    def head(lib, _):
-        lib.q80_a8_linear_f32(hx.data_ptr(), 1, 576, 576, hq.data_ptr(), hd.data_ptr(), 49152, None, ho.data_ptr(),
+    def head(lib, interleaved):
+        lib.q80_a8_linear_f32(hx.data_ptr(), 1, 576, 576, hq[interleaved].data_ptr(), hd.data_ptr(), 49152, None, ho.data_ptr(),
                               49152)
 
     def both(lib, interleaved):

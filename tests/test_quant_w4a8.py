@@ -20,7 +20,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from kernel_builds import native_and_portable
 from idleless.config import EngineConfig
 from idleless.model.linear import Linear, select_linear_method
-from idleless.quant.formats import interleave_q4_1, quantize_q4_1, quantize_q8_0, unpack_q4
+from idleless.quant.formats import interleave_q4_1, interleave_q8_0, quantize_q4_1, quantize_q8_0, unpack_q4
 from idleless.quant.methods import Q8_0A8LinearMethod, W4A8LinearMethod, quantized_linear_method
 from idleless.quant.spec import check_precision
 
@@ -71,7 +71,8 @@ def _weight(fmt, n, k, seed=0):
         y = (isum * (dw[None].double() * dx[:, None].double())).sum(-1)
         return y if bias is None else y + bias.double()
 
-    return (lambda kern, x, b: kern.q80_a8_linear(x, q, d, b)), ref
+    codes = interleave_q8_0(q)
+    return (lambda kern, x, b: kern.q80_a8_linear(x, codes, d, b)), ref
 
 
 def _x(m, k, dtype, seed=1, stride_pad=0):
@@ -133,20 +134,26 @@ def test_rows_alone_equal_rows_in_any_batch(fmt, n, k):
 
 
 @pytest.mark.parametrize("n,nb", [(75, 5), (16, 18), (5, 1), (13, 4)])
-def test_interleave_q4_1_places_every_pair(n, nb):
-    """The W4A8 layout against its definition, byte by byte: column c's pair p (blocks 2p, 2p + 1, zeros
-    past nb) at 32 * (g * np + p * w + c - g) for its group start g = 8 * (c // 8) and width w."""
-    qs = torch.randint(0, 256, (n, nb, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    out = interleave_q4_1(qs)
-    np_ = (nb + 1) // 2
-    assert out.shape == (n * np_ * 32,) and out.dtype == torch.uint8
-    for c in range(n):
-        g = c // 8 * 8
-        w = min(8, n - g)
-        for p in range(np_):
-            at = 32 * (g * np_ + p * w + c - g)
-            second = qs[c, 2 * p + 1] if 2 * p + 1 < nb else torch.zeros(16, dtype=torch.uint8)
-            assert torch.equal(out[at:at + 32], torch.cat([qs[c, 2 * p], second])), (c, p)
+def test_interleave_places_every_unit(n, nb):
+    """The W4A8 layouts against their definition, byte by byte: column c's unit i at 32 * (g * nu + i * w +
+    c - g) for its group start g = G * (c // G) and width w = min(G, n - g); Q4_1 (G = 8): unit p = blocks
+    2p, 2p + 1 (zeros past nb), Q8_0 (G = 4): unit b = block b."""
+    g_ = torch.Generator().manual_seed(n)
+    qs = torch.randint(0, 256, (n, nb, 16), dtype=torch.uint8, generator=g_)
+    q8 = torch.randint(-127, 128, (n, nb, 32), dtype=torch.int8, generator=g_)
+    pad = torch.zeros(16, dtype=torch.uint8)
+    for out, group, units in ((interleave_q4_1(qs), 8, [[torch.cat([qs[c, 2 * p], qs[c, 2 * p + 1] if 2 * p + 1 < nb
+                                                                    else pad]) for p in range((nb + 1) // 2)]
+                                                          for c in range(n)]),
+                              (interleave_q8_0(q8), 4, [[q8[c, b] for b in range(nb)] for c in range(n)])):
+        nu = len(units[0])
+        assert out.shape == (n * nu * 32,) and out.dtype == units[0][0].dtype
+        for c in range(n):
+            g = c // group * group
+            w = min(group, n - g)
+            for i in range(nu):
+                at = 32 * (g * nu + i * w + c - g)
+                assert torch.equal(out[at:at + 32], units[c][i]), (group, c, i)
 
 
 @needs_kernels
@@ -157,6 +164,9 @@ def test_kernel_refuses_bad_layouts():
         kern.q41_a8_linear(torch.randn(2, 96), interleave_q4_1(qs), d, m)
     with pytest.raises(ValueError, match="layout"):  # GGUF's own [N, K/32, 16], not the W4A8 layout
         kern.q41_a8_linear(torch.randn(2, 64), qs, d, m)
+    q, d8 = quantize_q8_0(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="layout"):
+        kern.q80_a8_linear(torch.randn(2, 64), q, d8)
     with pytest.raises(ValueError, match="multiple of 32"):
         kern.a8_quantize(torch.randn(2, 40))
 

@@ -2221,10 +2221,10 @@ DEFINE_LUT8(bf16, uint16_t)
  * of the call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns
  * (fewer rows: 2 or 1 x 4; a single Q4_1 row on AVX2: 8 columns, a8_row8_q41, the same chains) decode each
  * weight block once per tile and load each activation block once per tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
- * weight once); the weight is prefetched A8_AHEAD columns ahead. Q4_1's codes come in W4A8's own layout,
- * 8 columns interleaved pair by pair (a8_q41_at; the float16 steps and minima stay GGUF's [n][nb]): a
- * one-row tile reads one contiguous stream instead of 8 (the whole-model sweep of SmolLM2's linears from
- * memory ran 1.25x faster on one AVX2 thread, benchmarks/README.md). */
+ * weight once); the weight is prefetched A8_AHEAD columns ahead. The codes come in W4A8's own layouts,
+ * 8 (Q4_1) or 4 (Q8_0) columns interleaved unit by unit (a8_at; the float16 steps and minima stay GGUF's
+ * [n][nb]): a one-row tile reads one contiguous stream instead of one per column (the whole-model sweep
+ * of SmolLM2's Q4_1 linears from memory ran 1.25x faster on one AVX2 thread, benchmarks/README.md). */
 #define A8_RR 4       /* most rows per register tile (4 x 2; 2 x 4 and 1 x 4 for fewer rows) */
 #define A8_CG 4       /* most columns per register tile */
 #define A8_COLS 16    /* output columns per thread task */
@@ -2279,16 +2279,19 @@ static inline void a8_prefetch_factors(const uint16_t *wd, const uint16_t *wm, i
  * offset of feature e of block b in a row */
 static inline int64_t a8_pair_at(int64_t b, int e) { return 64 * (b / 2) + 32 * (e / 16) + 16 * (b % 2) + e % 16; }
 
-/* Q4_1's weight layout here (W4A8's own, repacked once at load: formats.interleave_q4_1): output columns in
- * groups of A8_GROUP (the last group the n % A8_GROUP left), a group's block pairs in order, a pair holding
- * each column of the group in order, 32 bytes each: GGUF's 16 bytes of block 2p, then of block 2p + 1 (zero
- * where nb is odd and 2p + 1 = nb). A one-row tile of a whole group reads one contiguous stream; the address
- * of column c's pair p, np = (nb + 1) / 2 pairs per column: */
+/* The weight layouts here (W4A8's own, repacked once at load: formats.interleave_q4_1 / interleave_q8_0):
+ * output columns in groups of G (the last group the n % G left), a group's 32-byte units in order, each unit
+ * holding every column of the group in order. Q4_1 (G = A8_GROUP): unit p = GGUF's 16 bytes of block 2p,
+ * then of block 2p + 1 (zero where nb is odd and 2p + 1 = nb); Q8_0 (G = A8_CG): unit b = block b's 32
+ * codes. A one-row tile of a whole group reads one contiguous stream; the address of column c's unit i,
+ * nu units per column: */
 #define A8_GROUP 8
-static inline const uint8_t *a8_q41_at(const uint8_t *wq, int64_t n, int64_t np, int64_t c, int64_t p) {
-    int64_t g = c / A8_GROUP * A8_GROUP, w = n - g < A8_GROUP ? n - g : A8_GROUP;
-    return wq + 32 * (g * np + p * w + (c - g));
+static inline const uint8_t *a8_at(const uint8_t *wq, int64_t n, int64_t nu, int G, int64_t c, int64_t i) {
+    int64_t g = c / G * G, w = n - g < G ? n - g : G;
+    return wq + 32 * (g * nu + i * w + (c - g));
 }
+#define a8_q41_at(wq, n, np, c, p) a8_at(wq, n, np, A8_GROUP, c, p)
+#define a8_q80_at(wq, n, nb, c, b) ((const int8_t *)a8_at(wq, n, nb, A8_CG, c, b))
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* the eight lanes of one Q8_0 block's integer dot product (sign trick), converted to float32 (exact) */
@@ -2305,13 +2308,14 @@ static inline __attribute__((always_inline)) __m256 a8_lanes(__m256i w, __m256i 
                                   a##r##j);
 #define A8_CODES(j)                                                                                        \
     if (C > j) {                                                                                           \
-        _mm_prefetch((const char *)(wq + 32 * ((c0 + j + A8_AHEAD) * nb + b)), _MM_HINT_T0);               \
-        w##j = _mm256_loadu_si256((const __m256i *)(wq + 32 * ((c0 + j) * nb + b)));                       \
+        const int8_t *wp = a8_q80_at(wq, n, nb, c0 + j, b);                                                \
+        _mm_prefetch((const char *)(wp + 32 * A8_AHEAD * nb), _MM_HINT_T0); /* A8_AHEAD columns on */      \
+        w##j = _mm256_loadu_si256((const __m256i *)wp);                                                    \
         wa##j = _mm256_sign_epi8(w##j, w##j);                                                              \
     }
 static inline __attribute__((always_inline)) void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k,
-                                                          const uint8_t *wq, const uint16_t *wd, int64_t c0,
-                                                          int R, int C, float *sc, float *res) {
+                                                          const uint8_t *wq, int64_t n, const uint16_t *wd,
+                                                          int64_t c0, int R, int C, float *sc, float *res) {
     int64_t nb = k / 32;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc + (r * C + j) * nb);
@@ -2382,7 +2386,7 @@ static inline __attribute__((always_inline)) void a8_tile_q41(const int8_t *xq, 
         for (int j = 0; j < C; j++) res[r * C + j] = hsum8(acc[r][j]);
 }
 #else
-static inline void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq,
+static inline void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k, const uint8_t *wq, int64_t n,
                                const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     int64_t nb = k / 32;
     for (int r = 0; r < R; r++)
@@ -2390,8 +2394,7 @@ static inline void a8_tile_q80(const int8_t *xq, const float *xd, int64_t k, con
             float acc[8] = {0};
             a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, sc);
             for (int64_t b = 0; b < nb; b++) {
-                int64_t i = (c0 + j) * nb + b;
-                const int8_t *w = (const int8_t *)wq + 32 * i;
+                const int8_t *w = a8_q80_at(wq, n, nb, c0 + j, b);
                 const int8_t *x = xq + r * k + 32 * b;
                 for (int l = 0; l < 8; l++) {
                     int32_t s = 0;
@@ -2444,9 +2447,9 @@ static inline void a8_tile_q41(const int8_t *xq, int64_t ldq, const float *xd, i
     default: CALL(1, 1); break;                                                                            \
     }
 #define A8_CALL_Q41(RR, CC) a8_tile_q41(xq, ldq, xd, k / 32, wq, n, wd, c0, RR, CC, sc, res)
-#define A8_CALL_Q80(RR, CC) a8_tile_q80(xq, xd, k, wq, wd, c0, RR, CC, sc, res)
+#define A8_CALL_Q80(RR, CC) a8_tile_q80(xq, xd, k, wq, n, wd, c0, RR, CC, sc, res)
 /* a register tile of R rows x C columns: (4 or 3) x 2, (2 or 1) x 4, or any R x 1; xq rows ldq apart
- * (Q4_1: the pair layout, a8_pair_at; Q8_0: k); wq: Q4_1 in a8_q41_at's layout (n columns), Q8_0 GGUF's */
+ * (Q4_1: the pair layout, a8_pair_at; Q8_0: k); wq in a8_at's layouts (n columns) */
 static void a8_tile_any(int fmt, const int8_t *xq, int64_t ldq, const float *xd, int64_t k, const uint8_t *wq, int64_t n,
                         const uint16_t *wd, int64_t c0, int R, int C, float *sc, float *res) {
     if (fmt == GGUF_Q41) { A8_TILE_RC(A8_CALL_Q41) }

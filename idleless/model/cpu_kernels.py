@@ -643,20 +643,21 @@ class CpuKernels:
             raise MemoryError("q41_a8_linear: cannot allocate the activation buffer")
         return out
 
-    def q80_a8_linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+    def q80_a8_linear(self, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """y = x W^T (+ bias) for W in GGUF Q8_0 blocks (q int8 [N, K/32, 32], d float16 [N, K/32],
-        contiguous) with x [M, K] (the kernels' dtype, rows may be strided) quantised as ``a8_quantize``:
-        exact integer products per block scaled by d_w * d_x (ggml_vec_dot_q8_0_q8_0's arithmetic) -> new
-        [M, N]; batch-invariant, the same bits on every build. Raises ValueError on a layout mismatch,
-        MemoryError when the activation buffer cannot be allocated."""
-        n, nb, _ = q.shape
+        """y = x W^T (+ bias) for W in GGUF Q8_0 blocks — codes int8 [N * K/32 * 32] in the W4A8 layout
+        (``formats.interleave_q8_0`` of GGUF's [N, K/32, 32]), d float16 [N, K/32], contiguous — with x
+        [M, K] (the kernels' dtype, rows may be strided) quantised as ``a8_quantize``: exact integer
+        products per block scaled by d_w * d_x (ggml_vec_dot_q8_0_q8_0's arithmetic) -> new [M, N];
+        batch-invariant, the same bits on every build. Raises ValueError on a layout mismatch, MemoryError
+        when the activation buffer cannot be allocated."""
+        n, nb = d.shape
         k = x.shape[1]
-        if (q.dtype != torch.int8 or q.shape[2] != 32 or nb * 32 != k or not q.is_contiguous()
-                or d.dtype != torch.float16 or d.shape != (n, nb) or not d.is_contiguous()):
+        if (codes.dtype != torch.int8 or codes.dim() != 1 or codes.numel() != n * nb * 32 or nb * 32 != k
+                or not codes.is_contiguous() or d.dtype != torch.float16 or not d.is_contiguous()):
             raise ValueError("q80_a8_linear: layout mismatch")
         out = self._quant_rows(x, bias, n, "q80_a8_linear")
-        if x.shape[0] and not self._q80_a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
+        if x.shape[0] and not self._q80_a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), codes.data_ptr(),
                                                   d.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("q80_a8_linear: cannot allocate the activation buffer")
         return out

@@ -88,27 +88,40 @@ def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
     return w.reshape(w.shape[0], -1).to(dtype)
 
 
-#: output columns per group of ``interleave_q4_1``'s layout
-A8_GROUP = 8
+#: output columns per group of the W4A8 kernels' layouts: Q4_1 (``interleave_q4_1``), Q8_0 (``interleave_q8_0``)
+A8_GROUP_Q4_1, A8_GROUP_Q8_0 = 8, 4
+
+
+def _interleave(units: torch.Tensor, group: int) -> torch.Tensor:
+    """units [N, U, 32] (1-byte dtype) -> [N * U * 32]: output columns in groups of ``group`` (the last group
+    the N % group left), a group's units in order, each unit holding every column of the group in order."""
+    n, u, _ = units.shape
+    full = n // group * group
+    parts = [units[:full].reshape(-1, group, u, 32).transpose(1, 2).reshape(-1)]
+    if full < n:
+        parts.append(units[full:].transpose(0, 1).reshape(-1))
+    return torch.cat(parts).contiguous()
 
 
 def interleave_q4_1(qs: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_1 codes qs uint8 [N, nb, 16] -> the W4A8 kernels' layout (``cpu_kernels.c``, ``a8_q41_at``),
-    uint8 [N * ceil(nb / 2) * 32]: output columns in groups of ``A8_GROUP`` (the last group holds the
-    N % A8_GROUP left), a group's block pairs in order, each pair holding every column of the group in
-    order, 32 bytes per column: its 16 bytes of block 2p then of block 2p + 1 (zeros where nb is odd and
-    2p + 1 = nb). The same codes, reordered, so that one row times a group reads one contiguous stream
-    (llama.cpp's repacked Q4_0_8x8 idea; here whole 32-byte pairs per column, so the kernels' arithmetic
-    and bits are unchanged)."""
+    """GGUF Q4_1 codes qs uint8 [N, nb, 16] -> the W4A8 kernels' layout (``cpu_kernels.c``, ``a8_at``),
+    uint8 [N * ceil(nb / 2) * 32]: output columns in groups of ``A8_GROUP_Q4_1`` (the last group holds the
+    N % 8 left), a group's block pairs in order, each pair holding every column of the group in order, 32
+    bytes per column: its 16 bytes of block 2p then of block 2p + 1 (zeros where nb is odd and 2p + 1 =
+    nb). The same codes, reordered, so that one row times a group reads one contiguous stream (llama.cpp's
+    repacked Q4_0_8x8 idea; here whole 32-byte pairs per column, so the kernels' arithmetic and bits are
+    unchanged)."""
     n, nb, _ = qs.shape
     if nb % 2:
         qs = torch.cat([qs, qs.new_zeros(n, 1, 16)], 1)
-    pairs = qs.reshape(n, -1, 32)
-    full = n // A8_GROUP * A8_GROUP
-    parts = [pairs[:full].reshape(-1, A8_GROUP, pairs.shape[1], 32).transpose(1, 2).reshape(-1)]
-    if full < n:
-        parts.append(pairs[full:].transpose(0, 1).reshape(-1))
-    return torch.cat(parts).contiguous()
+    return _interleave(qs.reshape(n, -1, 32), A8_GROUP_Q4_1)
+
+
+def interleave_q8_0(q: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 codes q int8 [N, nb, 32] -> the W4A8 kernels' layout for the output layer (``a8_at``),
+    int8 [N * nb * 32]: output columns in groups of ``A8_GROUP_Q8_0`` (the last group the N % 4 left), a
+    group's blocks in order, each block holding the 32 codes of every column of the group in order."""
+    return _interleave(q, A8_GROUP_Q8_0)
 
 
 def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

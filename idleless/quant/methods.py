@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from idleless.model.linear import LinearMethod
-from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, interleave_q4_1, quantize_q4_0,
-                                    quantize_q4_1, quantize_q8_0, quantize_rows)
+from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, interleave_q4_1, interleave_q8_0,
+                                    quantize_q4_0, quantize_q4_1, quantize_q8_0, quantize_rows)
 
 #: output channels dequantised at a time by ``apply``
 COL_TILE = 2048
@@ -280,7 +280,7 @@ class _BlockAct8:
     rounding of the products and sums (a relative 1e-5 of the output's terms in the tests)."""
 
     def on_kernel(self, m: int) -> bool:
-        return self.kernels is not None and m > 0
+        return self.kernels is not None
 
     def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
         codes, d = quantize_act_blocks(x)
@@ -299,10 +299,18 @@ class _BlockAct8:
 class Q8_0A8LinearMethod(_BlockAct8, Q8_0LinearMethod):
     """GGUF Q8_0 weights times int8 activations per block of 32 (``cpu_kernels.q80_a8_linear``: exact
     integer products per block scaled by d_w * d_x, ggml's q8_0 x q8_0 dot): the output layer of
-    ``W4A8LinearMethod``."""
+    ``W4A8LinearMethod``. With the kernels the codes are kept only in the kernels' layout
+    (``layer.quant["codes"]``, ``formats.interleave_q8_0``: 4 columns interleaved block by block); without
+    them ``layer.quant`` is ``Q8_0LinearMethod``'s."""
+
+    def quantize(self, weight):
+        qt = super().quantize(weight)
+        if self.kernels is not None:
+            qt = {"codes": interleave_q8_0(qt.pop("q")), **qt}
+        return qt
 
     def kernel_apply(self, layer, x):
-        return self.kernels.q80_a8_linear(x, layer.quant["q"], layer.quant["d"], layer.bias)
+        return self.kernels.q80_a8_linear(x, layer.quant["codes"], layer.quant["d"], layer.bias)
 
 
 class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
@@ -311,8 +319,8 @@ class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
     max|x_block| / 127, dynamic); per block (d_w d_x) sum u q_x + m_w s_x with s_x = d_x sum q_x, the
     integer sums exact (``cpu_kernels.q41_a8_linear``). With the kernels the codes are kept only in the
     kernels' layout (``layer.quant["codes"]``, ``formats.interleave_q4_1``: 8 columns interleaved pair by
-    pair, repacked once per weight change; ``d`` and ``m`` as GGUF's) and every batch, empty ones too,
-    runs on the kernel; without them ``layer.quant`` is ``Q4LinearMethod``'s. The output layer in Q8_0
+    pair, repacked once per weight change; ``d`` and ``m`` as GGUF's); without them ``layer.quant`` is
+    ``Q4LinearMethod``'s. The output layer in Q8_0
     with int8 activations (``Q8_0A8LinearMethod``). Raises ValueError at load for in_features not
     divisible by 32."""
 
@@ -325,9 +333,6 @@ class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
         if self.kernels is not None:
             qt = {"codes": interleave_q4_1(qt.pop("qs")), **qt}
         return qt
-
-    def on_kernel(self, m: int) -> bool:
-        return self.kernels is not None
 
     def kernel_apply(self, layer, x):
         qt = layer.quant
