@@ -386,3 +386,23 @@ def test_position_past_the_context_is_an_error_not_a_stray_read(tmp_path, eager)
         runner.forward(batch)
     ok = ForwardBatch(torch.tensor([5, 6]), torch.tensor([62, 63]), slots, [2], [0], [slots], torch.tensor([1]))
     assert runner.forward(ok).shape == (1, runner.model_config.vocab_size)
+
+
+def test_a_deleted_engine_is_freed_when_the_next_runner_loads(tmp_path):
+    """ModelRunner freezes the garbage collector's view after load; an engine core deleted afterwards
+    (it holds reference cycles) must still be freed, at the latest when the next runner loads (a bench
+    that built engines one after another kept them all: 20 GB)."""
+    import gc
+    import weakref
+
+    from idleless.engine.core import EngineCore
+
+    path = make_tiny_model(tmp_path)
+    cfg = EngineConfig(model=path, dtype="float32", kv_cache_memory="2MiB", num_threads=TEST_THREADS)
+    first = EngineCore(cfg, runner=ModelRunner(cfg))
+    gone = weakref.ref(first.runner.pool)
+    del first
+    second = _runner(path)
+    gc.collect()
+    assert gone() is None, "the first engine's KV pool is still alive after a second runner loaded"
+    del second

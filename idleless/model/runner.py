@@ -178,7 +178,9 @@ class ModelRunner:
         self.precision = precision_report(self)
         # the model, pool and tables live as long as the runner: move them out of the garbage collector's
         # generations, so the collections a decode step's allocations trigger no longer walk them (as vLLM
-        # and SGLang freeze after start-up)
+        # and SGLang freeze after start-up). Unfreeze first: a runner deleted since the last freeze (a
+        # bench or a test builds many in one process) is only freed by a collection that can see it
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
 
