@@ -23,8 +23,9 @@ from two measured things:
 Under the usual i.i.d. model (Leviathan et al., arXiv 2211.17192, section 3.1) the j-th guess of a
 request adds ``a**j`` expected tokens. The controller adds guesses in order of that value, across
 the whole batch, and keeps the count at which the expected tokens per second of the step
-(``B + sum of a**j`` over ``step time(B + drafts) + draft time + catch-up charge``) is highest.
-Speculation is therefore off for a step exactly when no first guess pays for itself: at large
+(``B + sum of a**j`` over ``step time(B + drafts) + draft time + catch-up charge``) is highest,
+if that beats plain decoding by ``MARGIN`` (a 15% predicted gain: the costs are measured, but they
+drift between measurements, and the rates are optimistic). Speculation is therefore off for a step when no guess pays: at large
 batches, where the verify tokens are no longer free (the step is compute-bound), when drafting costs
 about what it saves, or when nothing is being accepted. Plans use an upper confidence bound
 of the rate (the estimate plus ``OPTIMISM / sqrt(1 + evidence)``), and the evidence of requests left
@@ -32,7 +33,7 @@ without drafts decays, so a request is probed again a while after its guesses st
 exploration of UCB1, Auer et al. 2002). A plain step of the batch's size is always measured before
 a verify is judged against it (until its bucket holds ``MIN_SAMPLES`` steps, speculation is off): a
 verify must never be compared with a guess of what plain decoding costs; and it is measured again
-now and then (``PLAIN_REFRESH``) until its bucket is full, so one taken on a busy moment is corrected. The step-cost model is flat
+now and then (``PLAIN_REFRESH``), so one taken on a busy moment or at a shorter context is corrected. The step-cost model is flat
 above the largest measured step, so a larger verify is assumed no dearer than that and gets tried
 (and measured).
 """
@@ -61,25 +62,37 @@ OPTIMISM = 0.3
 # Step-cost buckets: samples before a bucket is trusted, and how many recent ones its median covers
 # (a median, so a first step that builds caches or a step that met a busy machine does not move it).
 MIN_SAMPLES = 2
-WINDOW = 9
+WINDOW = 5
+# Token counts up to this have a bucket each (a step of 3 tokens, or 3 drafting requests, is not one of
+# 4); larger ones share power-of-two buckets.
+EXACT_BUCKETS = 8
+# Speculation must be predicted this much faster than plain decoding: costs drift between measurements
+# (attention grows with the context) and plans use optimistic rates (at 0.96 accepted, six guesses are
+# planned as worth 7 tokens, not 6.2), so a predicted gain of a few percent must not become a loss.
+MARGIN = 1.15
 # A catch-up is charged over at most this many of the request's remaining tokens (a request may end
 # at EOS long before its max_tokens).
 CATCHUP_HORIZON = 128
-# While the plain step of the batch's size has n < WINDOW samples, one step in PLAIN_REFRESH * n
-# speculating ones is plain, so a plain cost measured on a busy moment gets corrected.
+# With n samples of the plain step of the batch's size (at most WINDOW), one step in PLAIN_REFRESH * n
+# speculating ones is plain, so a plain cost measured on a busy moment, or at a shorter context, is
+# corrected.
 PLAIN_REFRESH = 8
 # Accepted-length histogram size for the metrics (0 .. MAX_HIST accepted guesses per verify).
 MAX_HIST = 16
 
 
 def _bucket(tokens: float) -> int:
-    return max(0, math.ceil(math.log2(tokens)))
+    """``ceil(tokens)`` up to ``EXACT_BUCKETS``, then one bucket per power of two."""
+    if tokens <= EXACT_BUCKETS:
+        return max(1, math.ceil(tokens))
+    return EXACT_BUCKETS + math.ceil(math.log2(tokens / EXACT_BUCKETS))
 
 
 class StepCost:
     """Seconds of a step as a function of its token count, learnt online.
 
-    Per bucket ``ceil(log2(tokens))`` the last ``WINDOW`` (tokens, seconds) samples; the bucket's point
+    Per bucket (one per token count up to ``EXACT_BUCKETS``, then one per power of two) the last
+    ``WINDOW`` (tokens, seconds) samples; the bucket's point
     is their median tokens and median seconds. ``predict`` interpolates linearly between trusted
     buckets (``MIN_SAMPLES`` samples); below the smallest it scales that bucket's time down in
     proportion to the tokens, above the largest it is flat (a larger step is assumed no dearer than the
@@ -172,15 +185,16 @@ class AdaptiveProposer(Proposer):
         the number m of guesses, the draft cost on their depth and on how many requests draft, plus
         the amortised catch-up of the drafting ones; so for every depth cap d and every m, the m
         guesses of highest value ``a**j`` with j <= d are taken (once among all requests, once among
-        those without a catch-up), and the best ratio wins (the fewest guesses on a tie). Exact when drafting is free (a tie-free top-m is then optimal); near it
-        otherwise. All zeros when no guess pays (speculation off), while a plain step of this
+        those without a catch-up), and the best ratio wins (the fewest guesses on a tie) if it beats
+        plain decoding by ``MARGIN``. Exact when drafting is free (a tie-free top-m is then optimal);
+        near it otherwise. All zeros when no guess pays (speculation off), while a plain step of this
         batch size is not measured yet, and for the plain refreshes (``PLAIN_REFRESH``)."""
         caps = [min(r, self.max_draft) for r in room]
         if not self.adaptive:
             return caps
         B = len(rates)
         n = self.step_cost.samples(B)  # measure plain decoding at this batch size first, and refresh it
-        if n < MIN_SAMPLES or (n < WINDOW and self._on_since_plain >= PLAIN_REFRESH * n):
+        if n < MIN_SAMPLES or self._on_since_plain >= PLAIN_REFRESH * n:
             return [0] * B
         t_plain = self.step_cost.predict(B)
         charge = self._catchup_charges(rates, room, caps, catchup)
@@ -189,7 +203,7 @@ class AdaptiveProposer(Proposer):
         verify = [self.step_cost.predict(B + m) for m in range(len(gains) + 1)]
         hint = self.inner.cost_hint  # until the proposer is measured: its hint times a target step
         per_step = [0.0] + [self._draft_step(n, hint) for n in range(1, B + 1)]
-        best, best_plan = B / t_plain, []
+        best, best_plan = MARGIN * B / t_plain, []
         # the lagging requests' catch-up is all-or-nothing per request: plans with and without them
         pools = [None] + ([{i for i, c in enumerate(charge) if c == 0.0}] if any(charge) else [])
         for allowed, cap in itertools.product(pools, range(1, max(caps, default=0) + 1)):
