@@ -2286,6 +2286,7 @@ static inline int64_t a8_pair_at(int64_t b, int e) { return 64 * (b / 2) + 32 * 
  * codes. A one-row tile of a whole group reads one contiguous stream; the address of column c's unit i,
  * nu units per column: */
 #define A8_GROUP 8
+_Static_assert(A8_COLS % A8_GROUP == 0, "a8_row8_q41 reads whole groups: thread tasks must start on one");
 static inline const uint8_t *a8_at(const uint8_t *wq, int64_t n, int64_t nu, int G, int64_t c, int64_t i) {
     int64_t g = c / G * G, w = n - g < G ? n - g : G;
     return wq + 32 * (g * nu + i * w + (c - g));
