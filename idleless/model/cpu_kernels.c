@@ -2223,8 +2223,8 @@ DEFINE_LUT8(bf16, uint16_t)
  * weight block once per tile and load each activation block once per tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
  * weight once); the weight is prefetched A8_AHEAD columns ahead. The codes come in W4A8's own layouts,
  * 8 (Q4_1) or 4 (Q8_0) columns interleaved unit by unit (a8_at; the float16 steps and minima stay GGUF's
- * [n][nb]): a one-row tile reads one contiguous stream instead of one per column (the whole-model sweep
- * of SmolLM2's Q4_1 linears from memory ran 1.25x faster on one AVX2 thread, benchmarks/README.md). */
+ * [n][nb]): a one-row tile reads one contiguous stream instead of one per column (benchmarks/README.md,
+ * "W4A8 weight layouts"). */
 #define A8_RR 4       /* most rows per register tile (4 x 2; 2 x 4 and 1 x 4 for fewer rows) */
 #define A8_CG 4       /* most columns per register tile */
 #define A8_COLS 16    /* output columns per thread task */
