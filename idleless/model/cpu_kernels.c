@@ -343,6 +343,9 @@ static inline float dec_one(const void *cache, int64_t at, const float *lut, int
     if (lut) return lut[((const uint8_t *)cache)[at]];
     return bf16 ? bf16_to_f32(((const uint16_t *)cache)[at]) : ((const float *)cache)[at];
 }
+/* prefetch the nbytes bytes from element index at of a cache whose elements take esz bytes */
+#define dec_prefetch(cache, at, esz, nbytes) do { const char *p_ = (const char *)(cache) + (at) * (esz); \
+    for (int64_t o_ = 0; o_ < (nbytes); o_ += 64) _mm_prefetch(p_ + o_, _MM_HINT_T0); } while (0)
 #define DEFINE_DECODE_AVX2(SUF, T, BF16)                                                                \
 static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(                               \
         const T *q, int64_t q_stride, const int64_t *qrow, const void *k_cache, const void *v_cache,    \
@@ -350,6 +353,7 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
         const int64_t *off, int64_t nb, int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f,  \
         T *out_t, float *lse, const int64_t *orow) {                                                    \
     int64_t grp = nh / nkv, max_len = 0, total = 0;                                                     \
+    const int64_t esz = lut ? 1 : (int64_t)sizeof(T);                                                    \
     if (d % 16 || d > 256 || grp > 16 || grp < 1) return 0;                                              \
     for (int64_t b = 0; b < nb; b++) {                                                                  \
         int64_t len = off[b + 1] - off[b];                                                              \
@@ -375,6 +379,10 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
         for (; j + 8 <= len; j += 8) {                                                                  \
             float kf8[8];                                                                               \
             for (int r = 0; r < 8; r++) kf8[r] = k_scale ? k_scale[sl[j + r] * nkv + kh] * scale : scale; \
+            for (int r = 0; r < 8; r++) { /* the next 8 keys' K rows and these 8 keys' V rows, into cache */ \
+                if (j + 8 + r < len) dec_prefetch(k_cache, (sl[j + 8 + r] * nkv + kh) * d, esz, d * esz); \
+                dec_prefetch(v_cache, (sl[j + r] * nkv + kh) * d, esz, d * esz);                        \
+            }                                                                                           \
             for (int64_t c = 0; c < d; c += 8) {                                                        \
                 __m256 x[8];                                                                            \
                 for (int r = 0; r < 8; r++) x[r] = dec_row8(k_cache, (sl[j + r] * nkv + kh) * d + c, lut, BF16); \
@@ -443,23 +451,23 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
         if (v_scale)                                                                                    \
             for (int64_t g = 0; g < grp; g++)                                                           \
                 for (j = 0; j < len; j++) sc[g * len + j] *= v_scale[sl[j] * nkv + kh];                 \
-        for (int64_t c = 0; c < d; c += 8)                                                              \
-            for (int64_t g0 = 0; g0 < grp; g0 += 4) {                                                   \
-                int64_t ng = grp - g0 < 4 ? grp - g0 : 4;                                               \
+        for (int64_t c = 0; c < d; c += 16)                                                             \
+            for (int64_t g0 = 0; g0 < grp; g0 += 3) {                                                   \
+                int64_t ng = grp - g0 < 3 ? grp - g0 : 3;                                               \
                 const float *s0 = sc + g0 * len, *s1 = s0 + (ng > 1 ? len : 0);                         \
-                const float *s2 = s0 + (ng > 2 ? 2 * len : 0), *s3 = s0 + (ng > 3 ? 3 * len : 0);       \
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                             \
+                const float *s2 = s0 + (ng > 2 ? 2 * len : 0);                                          \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;           \
                 for (j = 0; j < len; j++) {                                                             \
-                    __m256 vv = dec_row8(v_cache, (sl[j] * nkv + kh) * d + c, lut, BF16);               \
-                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(s0[j]), vv));                   \
-                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_set1_ps(s1[j]), vv));                   \
-                    a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_set1_ps(s2[j]), vv));                   \
-                    a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_set1_ps(s3[j]), vv));                   \
+                    int64_t at = (sl[j] * nkv + kh) * d + c;                                            \
+                    __m256 va = dec_row8(v_cache, at, lut, BF16), vb = dec_row8(v_cache, at + 8, lut, BF16); \
+                    __m256 w0 = _mm256_set1_ps(s0[j]), w1 = _mm256_set1_ps(s1[j]), w2 = _mm256_set1_ps(s2[j]); \
+                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(w0, va)); b0 = _mm256_add_ps(b0, _mm256_mul_ps(w0, vb)); \
+                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(w1, va)); b1 = _mm256_add_ps(b1, _mm256_mul_ps(w1, vb)); \
+                    a2 = _mm256_add_ps(a2, _mm256_mul_ps(w2, va)); b2 = _mm256_add_ps(b2, _mm256_mul_ps(w2, vb)); \
                 }                                                                                       \
-                _mm256_storeu_ps(acc[g0] + c, a0);                                                      \
-                if (ng > 1) _mm256_storeu_ps(acc[g0 + 1] + c, a1);                                      \
-                if (ng > 2) _mm256_storeu_ps(acc[g0 + 2] + c, a2);                                      \
-                if (ng > 3) _mm256_storeu_ps(acc[g0 + 3] + c, a3);                                      \
+                _mm256_storeu_ps(acc[g0] + c, a0); _mm256_storeu_ps(acc[g0] + c + 8, b0);               \
+                if (ng > 1) { _mm256_storeu_ps(acc[g0 + 1] + c, a1); _mm256_storeu_ps(acc[g0 + 1] + c + 8, b1); } \
+                if (ng > 2) { _mm256_storeu_ps(acc[g0 + 2] + c, a2); _mm256_storeu_ps(acc[g0 + 2] + c + 8, b2); } \
             }                                                                                           \
         dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);          \
     }                                                                                                   \
