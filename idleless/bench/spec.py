@@ -432,10 +432,7 @@ def _phase(cores: _Cores, configs: dict, reps: int, run_fn, warm_ids: Sequence[i
             _log(f"{label} [{n}] rep {r}: {wall:.2f} s, {rec['output_tokens']} tokens, "
                  f"acceptance {_fmt(rec['speculative']['acceptance_rate'])}")
             del core
-            # a ModelRunner freezes the collector's view after load (gc.freeze): its cycles are freed only
-            # once unfrozen (else every engine built here stays in memory, ~3 GiB each with its KV pools)
-            gc.unfreeze()
-            gc.collect()
+            gc.collect()  # the engine's cycles (~3 GiB with its KV pools) before the next one loads
         for n in names:
             recs[n][-1]["identical_to_off"] = identical_outputs(outs[OFF], outs[n])
             recs[n][-1]["_runs"] = outs[n]

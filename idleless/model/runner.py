@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -26,9 +24,6 @@ from idleless.model.weights import load_weights
 from idleless.structured.grammar import TokenMasks
 
 log = logging.getLogger(__name__)
-# runners freeze the garbage collector's view after load; frozen objects are never freed at exit, which
-# nanobind-based extensions report as leaks: unfreeze once at exit (registered once, not per runner)
-atexit.register(gc.unfreeze)
 
 
 # Prompt-logprob rows are turned into logits this many at a time (a block is [rows, vocab] float32:
@@ -176,13 +171,6 @@ class ModelRunner:
         # text; raises QuantizationGateError past --max-quantization-kl (idleless.quant.gate)
         from idleless.quant.gate import precision_report
         self.precision = precision_report(self)
-        # the model, pool and tables live as long as the runner: move them out of the garbage collector's
-        # generations, so the collections a decode step's allocations trigger no longer walk them (as vLLM
-        # and SGLang freeze after start-up). Unfreeze first: a runner deleted since the last freeze (a
-        # bench or a test builds many in one process) is only freed by a collection that can see it
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
