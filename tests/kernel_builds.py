@@ -50,3 +50,14 @@ def native_and_portable() -> dict:
     lib = _build([("-march=x86-64" if f.startswith("-march") else f) for f in cpu_kernels.CFLAGS
                   if not f.startswith("-mprefer")])
     return {dt: (native[dt], cpu_kernels.CpuKernels(lib, dt)) for dt in native}
+
+
+def avx2_only() -> dict:
+    """{dtype: kernels} built for this CPU with ``-mno-avx512f`` (every AVX-512 subset off, VNNI and BF16
+    included): on an AVX-512 CPU the native build takes the AVX-512 paths (e.g. vpdpbusd in the 8-bit
+    integer dot products), and this build keeps the AVX2 intrinsics they replace under test; {} on a CPU
+    without AVX2 (its native build already runs the scalar paths) or without a C compiler."""
+    if not cpu_has("avx2") or cpu_kernels.load(torch.float32) is None:
+        return {}
+    lib = _build(list(cpu_kernels.CFLAGS) + ["-mno-avx512f"])
+    return {dt: cpu_kernels.CpuKernels(lib, dt) for dt in (torch.float32, torch.bfloat16)}

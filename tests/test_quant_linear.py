@@ -12,7 +12,7 @@ from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize
 from idleless.quant.methods import (Fp8LinearMethod, Int8LinearMethod, Q4LinearMethod, Q8_0LinearMethod,
                                     W8A8LinearMethod, quantized_linear_method)
 from idleless.quant.spec import check_precision
-from kernel_builds import native_and_portable
+from kernel_builds import avx2_only, native_and_portable
 
 
 def test_int8_rows_by_hand():
@@ -193,9 +193,10 @@ def test_flag_values_checked_and_aliases():
 
 
 def _kernel_builds():
-    """[(build name, dtype, kernels)]: this CPU's build and the portable one, both dtypes ([] without a
-    C compiler)."""
-    return [(name, dt, k) for dt, pair in native_and_portable().items() for name, k in zip(("native", "portable"), pair)]
+    """[(build name, dtype, kernels)]: this CPU's build and the portable one, both dtypes, and on an AVX-512
+    CPU the AVX2 build ([] without a C compiler)."""
+    return [(name, dt, k) for dt, pair in native_and_portable().items() for name, k in zip(("native", "portable"), pair)] \
+        + [("avx2", dt, k) for dt, k in avx2_only().items()]
 
 
 KERNELS = _kernel_builds()

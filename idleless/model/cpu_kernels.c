@@ -1806,12 +1806,21 @@ DEFINE_KV_WRITE_Q8(bf16, uint16_t)
  * pairs widened to int16 and multiply-added into int32 lanes (AVX2 vpmaddwd; scalar elsewhere), an
  * exact sum in any order, so the result is batch-invariant and equal on every path:
  *   out[r, c] = T(float(sum_k xq[r, k] q[c, k]) * sx[r] * scale[c] + bias[c]).
+ * With AVX512-VNNI (+VL), 32 pairs per vpdpbusd (unsigned x signed bytes into int32, no intermediate
+ * saturation) through the sign trick |a| * (b * sign(a)): exact because both operands' codes lie in
+ * [-127, 127] (quantize_rows' clamp), so b * sign(a) never wraps.
  * Returns 0 if the row buffers cannot be allocated, else 1. */
 static inline int32_t dot_i8(const int8_t *a, const int8_t *b, int64_t k) {
     int64_t i = 0;
     int32_t s = 0;
 #if defined(__AVX2__)
     __m256i acc = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    for (; i + 32 <= k; i += 32) {
+        __m256i va = _mm256_loadu_si256((const __m256i *)(a + i)), vb = _mm256_loadu_si256((const __m256i *)(b + i));
+        acc = _mm256_dpbusd_epi32(acc, _mm256_abs_epi8(va), _mm256_sign_epi8(vb, va));
+    }
+#endif
     for (; i + 16 <= k; i += 16) {
         __m256i va = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + i)));
         __m256i vb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + i)));
@@ -2224,8 +2233,9 @@ DEFINE_LUT8(bf16, uint16_t)
  *   out[r, c] = T(hsum8(acc) [+ minima] + bias[c]).
  * AVX2: vpmaddubsw (unsigned times signed bytes, pairs: no int16 overflow, 15 * 127 * 2 and 128 * 127 * 2
  * < 32767; Q8_0's signed codes through the sign trick |q_w| * sign(q_x, q_w); Q4_1's two nibble halves
- * added as int16, at most 4 * 15 * 127), vpmaddwd with ones into the eight lanes; the scalar build computes
- * the same lanes with fmaf, so both give the same bits. An output's chain never depends on the other rows
+ * added as int16, at most 4 * 15 * 127), vpmaddwd with ones into the eight lanes; with AVX512-VNNI (+VL)
+ * one vpdpbusd per 32 bytes instead (the same exact lane sums, no int16 step: a8_dot1 / a8_dot2); the
+ * scalar build computes the same lanes with fmaf, so all give the same bits. An output's chain never depends on the other rows
  * of the call nor on the tile that computes it (batch-invariant). Register tiles of 4 rows x 2 columns
  * (fewer rows: 2 or 1 x 4; a single Q4_1 row on AVX2: 8 columns, a8_row8_q41, the same chains) decode each
  * weight block once per tile and load each activation block once per tile; thread tasks are A8_COLS columns x A8_ROWS rows, columns outermost (a thread reads its share of the
@@ -2303,10 +2313,28 @@ static inline const uint8_t *a8_at(const uint8_t *wq, int64_t n, int64_t nu, int
 #define a8_q80_at(wq, n, nb, c, b) ((const int8_t *)a8_at(wq, n, nb, A8_CG, c, b))
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* lane l (of 8) = sum of the products of bytes 4l .. 4l + 3 of u (unsigned) and s (signed), exact where no
+ * pair of products exceeds int16 (a8_dot1), or of two such byte vectors (a8_dot2: the pairs' int16 sums
+ * added as int16 first, exact where their sum fits): vpdpbusd with AVX512-VNNI, else vpmaddubsw + vpmaddwd */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __attribute__((always_inline)) __m256i a8_dot1(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+static inline __attribute__((always_inline)) __m256i a8_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+}
+#else
+static inline __attribute__((always_inline)) __m256i a8_dot1(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+static inline __attribute__((always_inline)) __m256i a8_dot2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                             _mm256_set1_epi16(1));
+}
+#endif
 /* the eight lanes of one Q8_0 block's integer dot product (sign trick), converted to float32 (exact) */
 static inline __attribute__((always_inline)) __m256 a8_lanes(__m256i w, __m256i wa, __m256i x) {
-    __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(a8_dot1(wa, _mm256_sign_epi8(x, w)));
 }
 /* Q8_0: rows xq[0..R) (k apart, scales xd nb apart) times columns c0 .. c0 + C: res[r * C + j] = hsum8(acc);
  * sc: room for R * C * nb floats (the block scales d_w * d_x, computed first). Named accumulators (an
@@ -2353,10 +2381,8 @@ static inline __attribute__((always_inline)) void a8_tile_q80(const int8_t *xq, 
 #define A8P_ACC(r, j)                                                                                      \
     if (R > r && C > j)                                                                                    \
         a##r##j = _mm256_fmadd_ps(                                                                         \
-            _mm256_cvtepi32_ps(_mm256_madd_epi16(                                                          \
-                _mm256_add_epi16(_mm256_maddubs_epi16(lo##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p))), \
-                                 _mm256_maddubs_epi16(hi##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p + 32)))), \
-                ones)),                                                                                    \
+            _mm256_cvtepi32_ps(a8_dot2(lo##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p)), \
+                                       hi##j, _mm256_loadu_si256((const __m256i *)(xq + r * ldq + 64 * p + 32)))), \
             _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc + (r * C + j) * nb8 + (2 * p & ~(int64_t)7)), idx), a##r##j);
 #define A8P_CODES(j)                                                                                       \
     if (C > j) {                                                                                           \
@@ -2385,7 +2411,7 @@ static inline __attribute__((always_inline)) void a8_tile_q41(const int8_t *xq, 
             a8_scales(wd + (c0 + j) * nb, xd + r * nb, nb, s);
             for (int64_t b = nb; b < nb8; b++) s[b] = 0.f;
         }
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
            a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     int64_t p = 0;
@@ -2483,7 +2509,7 @@ static inline __attribute__((always_inline)) __m256 a8_hsum8x8(const __m256 *v) 
 static inline __attribute__((always_inline)) void a8_row8_pair(const int8_t *xq, const uint8_t *w8, const float *dwf,
                                                                __m256 xp, int64_t nb, int64_t np, int64_t p, int tail,
                                                                __m256 *acc) {
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i low = _mm256_set1_epi8(0x0f), pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p)), x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * p + 32));
     const uint8_t *wb = w8 + 32 * A8_WIDE * p;
     const float *db = dwf + 2 * p;
@@ -2492,9 +2518,7 @@ static inline __attribute__((always_inline)) void a8_row8_pair(const int8_t *xq,
         const uint8_t *wp = wb + 32 * j;
         if (j % 2 == 0) _mm_prefetch((const char *)(wp + 32 * A8_WIDE * np), _MM_HINT_T0);
         __m256i v = _mm256_loadu_si256((const __m256i *)wp);
-        __m256i s = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
-                                                       _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)),
-                                      ones);
+        __m256i s = a8_dot2(_mm256_and_si256(v, low), x0, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1);
         __m256 sc = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(db + j * nb), pick), xp);
         if (tail) sc = _mm256_blend_ps(sc, _mm256_setzero_ps(), 0xf0);
         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc[j]);
