@@ -94,7 +94,8 @@ def _reference(method, w, x, bias):
     qt = layer.quant
     if isinstance(method, W8A8LinearMethod):
         xq, sx = quantize_rows(x, torch.int8)
-        wq = qt["q"].double() * qt["scale"].double()[:, None]
+        q = qt["q"] if "q" in qt else quantize_rows(w, torch.int8)[0]  # VNNI kernels keep only a packed copy
+        wq = q.double() * qt["scale"].double()[:, None]
         ref = (xq.double() * sx.double()[:, None]) @ wq.t()
     else:
         if isinstance(method, Q8_0LinearMethod):

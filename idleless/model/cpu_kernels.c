@@ -1870,6 +1870,201 @@ int w8a8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_
 DEFINE_W8A8(f32, float)
 DEFINE_W8A8(bf16, uint16_t)
 
+/* ---- W8A8 on a packed weight: vpdpbusd register tiles for many rows (prefill; issue 14) --------------
+ * The product of w8a8_linear (the same bits: exact int32 sums, the same float32 epilogue
+ *   out[r, c] = T(float(sum_k xq[r, k] q[c, k]) * sx[r] * scale[c] + bias[c])),
+ * on a weight packed once per weight change (w8a8_pack): panels of W8_NP = 16 output columns, each
+ * [ceil(k / 4)][16][4] bytes, byte e of column j in group g = q[16 p + j][4 g + e] + 128 as an unsigned byte
+ * (128, a zero weight, past n and k). vpdpbusd multiplies unsigned by signed bytes and adds each 4 products
+ * into an int32 lane (no saturation), so the weight's unsigned bytes meet the signed activation codes:
+ *   sum_k (q + 128) xq = sum_k q xq + 128 * xs[r],   xs[r] = sum_k xq[r, k],
+ * and the correction is subtracted in int32 (exact: |sum| <= k * 255 * 127 < 2^31 for k <= 65536, the
+ * wrapper's limit). Register tile (AVX512-VNNI): W8_MR rows x W8_NV panels of zmm int32 accumulators (8 x 3:
+ * 24 registers), each row's 4 codes of a group broadcast from memory; thread tasks are W8_NV panels x all
+ * rows, columns outermost (a task's weight, 48 x k bytes, stays in L1/L2 while the activation rows stream
+ * past). Rows are quantised as w8a8_linear does (quantize_rows' codes), vectorised with AVX-512. The
+ * portable build runs scalar loops over the same layout (same integers, same float order). */
+#define W8_NP 16 /* output columns per packed panel */
+#define W8_MR 8  /* rows per register tile */
+#define W8_NV 3  /* panels per register tile and per thread task */
+
+/* q int8 [n, k] -> wp [ceil(n / 16) * ceil(k / 4) * 64] (see above) */
+void w8a8_pack(const int8_t *q, int64_t n, int64_t k, uint8_t *wp) {
+    int64_t np = (n + W8_NP - 1) / W8_NP, kg = (k + 3) / 4;
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t g = 0; g < kg; g++)
+            for (int j = 0; j < W8_NP; j++)
+                for (int e = 0; e < 4; e++) {
+                    int64_t c = p * W8_NP + j, i = 4 * g + e;
+                    wp[((p * kg + g) * W8_NP + j) * 4 + e] = (uint8_t)((c < n && i < k ? (int)q[c * k + i] : 0) + 128);
+                }
+}
+
+/* 1 where this build runs w8a8_gemm on vpdpbusd (else its scalar loops: correct, slow) */
+int w8a8_gemm_vnni(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+/* res[r][16 j + l] (r < R, j < NV) = sum_k wp's panel j column l (unsigned) * xq[r] (signed), rows kq apart */
+static inline __attribute__((always_inline)) void w8_tile(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t kg,
+                                                          int R, int NV, int32_t *res) {
+    __m512i acc[W8_MR][W8_NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < kg; g++) {
+        __m512i w[W8_NV];
+#pragma GCC unroll 3
+        for (int j = 0; j < NV; j++) w[j] = _mm512_loadu_si512((const void *)(wp + (j * kg + g) * 64));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            int32_t x4;
+            memcpy(&x4, xq + r * kq + 4 * g, 4);
+            __m512i xb = _mm512_set1_epi32(x4);
+#pragma GCC unroll 3
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], xb);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int j = 0; j < NV; j++) _mm512_storeu_si512((void *)(res + (r * NV + j) * W8_NP), acc[r][j]);
+}
+#define W8_TILE_CASE(RR, VV) case RR * 4 + VV: w8_tile(xq, kq, wp, kg, RR, VV, res); break;
+#define W8_TILE_ROWS(RR) W8_TILE_CASE(RR, 1) W8_TILE_CASE(RR, 2) W8_TILE_CASE(RR, 3)
+static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t kg, int R, int NV, int32_t *res) {
+    switch (R * 4 + NV) {
+        W8_TILE_ROWS(1) W8_TILE_ROWS(2) W8_TILE_ROWS(3) W8_TILE_ROWS(4)
+        W8_TILE_ROWS(5) W8_TILE_ROWS(6) W8_TILE_ROWS(7) W8_TILE_ROWS(8)
+    }
+}
+/* amax of x[0..k) (NaN skipped, as the scalar max) */
+#define W8_AMAX_SIMD(SUF)                                                                                      \
+    __m512 mx = _mm512_setzero_ps();                                                                           \
+    for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(_mm512_abs_ps(w8_ld16_##SUF(x + i)), mx);                 \
+    amax = _mm512_reduce_max_ps(mx);
+/* codes of x[0..k) / div, rounded to nearest even and clamped to +-127, and their sum */
+#define W8_CODES_SIMD(SUF)                                                                                     \
+    __m512i tot = _mm512_setzero_si512();                                                                      \
+    const __m512 vdiv = _mm512_set1_ps(div), lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);        \
+    for (; i + 16 <= k; i += 16) {                                                                             \
+        __m512 y = _mm512_roundscale_ps(_mm512_div_ps(w8_ld16_##SUF(x + i), vdiv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+        __m512i c = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(y, lim), nlim));                           \
+        tot = _mm512_add_epi32(tot, c);                                                                        \
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(c));                                         \
+    }                                                                                                          \
+    sum = _mm512_reduce_add_epi32(tot);
+static inline __m512 w8_ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 w8_ld16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* the epilogue of 16 columns c .. c + 16 of one row (all inside n): T(float(acc - corr) * sx * scale + bias) */
+#define W8_STORE16(SUF)                                                                                        \
+    for (int h = 0; h < 2; h++) {                                                                              \
+        __m256i a = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(acc + 8 * h)), _mm256_set1_epi32(corr)); \
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s)), _mm256_loadu_ps(scale + c + 8 * h)); \
+        if (bias) v = _mm256_add_ps(v, v_ld_##SUF(bias + c + 8 * h));                                          \
+        v_st_##SUF(o + c + 8 * h, v);                                                                          \
+    }
+#define W8_VNNI 1
+#else
+static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t kg, int R, int NV, int32_t *res) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++)
+            for (int l = 0; l < W8_NP; l++) {
+                int32_t s = 0;
+                for (int64_t g = 0; g < kg; g++)
+                    for (int e = 0; e < 4; e++)
+                        s += (int32_t)wp[((j * kg + g) * W8_NP + l) * 4 + e] * (int32_t)xq[r * kq + 4 * g + e];
+                res[(r * NV + j) * W8_NP + l] = s;
+            }
+}
+#define W8_AMAX_SIMD(SUF)
+#define W8_CODES_SIMD(SUF)
+#define W8_STORE16(SUF)
+#endif
+
+#define DEFINE_W8A8_GEMM(SUF, T)                                                                               \
+/* row x [k] -> codes q [kq] (zero past k), returns sx; *xsum: the codes' sum (w8a8_linear's quantiser) */      \
+static inline float w8_quant_row_##SUF(const T *x, int64_t k, int64_t kq, int8_t *q, int32_t *xsum) {          \
+    float amax = 0.f;                                                                                          \
+    int64_t i = 0;                                                                                             \
+    W8_AMAX_SIMD(SUF)                                                                                          \
+    for (; i < k; i++) {                                                                                       \
+        float a = fabsf(LD_##SUF(x + i));                                                                      \
+        amax = a > amax ? a : amax;                                                                            \
+    }                                                                                                          \
+    float s = amax / 127.f, div = s != 0.f ? s : 1.f;                                                          \
+    int32_t sum = 0;                                                                                           \
+    i = 0;                                                                                                     \
+    W8_CODES_SIMD(SUF)                                                                                         \
+    for (; i < k; i++) {                                                                                       \
+        float y = rintf(LD_##SUF(x + i) / div);                                                                \
+        int32_t c = (int32_t)(y > 127.f ? 127.f : (y < -127.f ? -127.f : y));                                  \
+        q[i] = (int8_t)c;                                                                                      \
+        sum += c;                                                                                              \
+    }                                                                                                          \
+    for (; i < kq; i++) q[i] = 0;                                                                              \
+    *xsum = sum;                                                                                               \
+    return s;                                                                                                  \
+}                                                                                                              \
+/* W8A8 with the weight in w8a8_pack's layout (wp, n columns): x [m, k] (rows ldx apart) -> out [m, n] (rows   \
+ * ldo apart); w8a8_linear's bits. Returns 0 if the activation buffers cannot be allocated, else 1. */         \
+int w8a8_gemm_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, const float *scale,      \
+                    int64_t n, const T *bias, T *out, int64_t ldo) {                                           \
+    int64_t kg = (k + 3) / 4, kq = 4 * kg, np = (n + W8_NP - 1) / W8_NP;                                       \
+    int8_t *xq = (int8_t *)malloc((size_t)(m * kq > 0 ? m * kq : 1));                                          \
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));                                      \
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m > 0 ? m : 1));                                \
+    if (!xq || !sx || !xs) { free(xq); free(sx); free(xs); return 0; }                                         \
+    _Pragma("omp parallel for if (m * k >= 8 * PAR_MIN_WORK)")                                                 \
+    for (int64_t r = 0; r < m; r++) sx[r] = w8_quant_row_##SUF(x + r * ldx, k, kq, xq + r * kq, xs + r);     \
+    int64_t ntask = (np + W8_NV - 1) / W8_NV;                                                                  \
+    _Pragma("omp parallel for schedule(static) if (m * n * k >= PAR_MIN_WORK)")                                \
+    for (int64_t t = 0; t < ntask; t++) {                                                                      \
+        int64_t p0 = t * W8_NV;                                                                                \
+        int NV = np - p0 < W8_NV ? (int)(np - p0) : W8_NV;                                                     \
+        _Alignas(64) int32_t res[W8_MR * W8_NV * W8_NP];                                                       \
+        for (int64_t r0 = 0; r0 < m; r0 += W8_MR) {                                                            \
+            int R = m - r0 < W8_MR ? (int)(m - r0) : W8_MR;                                                    \
+            w8_tile_any(xq + r0 * kq, kq, wp + p0 * kg * 64, kg, R, NV, res);                                  \
+            for (int i = 0; i < R; i++) {                                                                      \
+                int32_t corr = 128 * xs[r0 + i];                                                               \
+                float s = sx[r0 + i];                                                                          \
+                T *o = out + (r0 + i) * ldo;                                                                   \
+                for (int j = 0; j < NV; j++) {                                                                 \
+                    int64_t c = (p0 + j) * W8_NP, ce = c + W8_NP < n ? c + W8_NP : n;                          \
+                    const int32_t *acc = res + (i * NV + j) * W8_NP;                                           \
+                    if (ce - c == W8_NP) { W8_STORE16(SUF) if (W8_VNNI_ON) continue; }                         \
+                    for (int64_t cc = c; cc < ce; cc++) {                                                      \
+                        float v = (float)(acc[cc - c] - corr) * s * scale[cc];                                 \
+                        if (bias) v += LD_##SUF(bias + cc);                                                    \
+                        ST_##SUF(o + cc, v);                                                                   \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    free(xq);                                                                                                  \
+    free(sx);                                                                                                  \
+    free(xs);                                                                                                  \
+    return 1;                                                                                                  \
+}
+
+#ifdef W8_VNNI
+#define W8_VNNI_ON 1
+#else
+#define W8_VNNI_ON 0
+#endif
+DEFINE_W8A8_GEMM(f32, float)
+DEFINE_W8A8_GEMM(bf16, uint16_t)
+
 /* ---- GGUF block weights (weight-only): Q4_1 and Q8_0, one product for every number of rows ----------
  * Blocks of 32 weights along k with float16 factors (ggml's block_q4_1 / block_q8_0): Q4_1 codes 0..15
  * two per byte (element j in the low nibble of byte j, element j + 16 in its high nibble) with step d and

@@ -66,6 +66,7 @@ _SIGNATURES_INT = {
     "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
     "w8a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
+    "w8a8_gemm": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q80_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "lut8_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
     # GGUF Q4_1 / Q8_0 weights times activations quantised to int8 per block of 32 (W4A8, llama.cpp's scheme)
@@ -73,7 +74,8 @@ _SIGNATURES_INT = {
     "q80_a8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
 }
 # kernels of one version whatever the dtype (float32 outputs)
-_DTYPE_FREE = {"q41_dequant": [_P, _P, _P, _I, _I, _P], "q80_dequant": [_P, _P, _I, _I, _P]}
+_DTYPE_FREE = {"q41_dequant": [_P, _P, _P, _I, _I, _P], "q80_dequant": [_P, _P, _I, _I, _P],
+               "w8a8_pack": [_P, _I, _I, _P]}
 # kernels without a float32 twin: name -> (argtypes, restype)
 _BF16_ONLY = {"amx_linear_pack": ([_P, _I, _I, _P], None),
               "amx_linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
@@ -186,6 +188,9 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
+        # w8a8_gemm on vpdpbusd (AVX512-VNNI in this build) rather than its scalar loops
+        lib.w8a8_gemm_vnni.argtypes, lib.w8a8_gemm_vnni.restype = [], ctypes.c_int
+        self.has_vnni = bool(lib.w8a8_gemm_vnni())
         # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
@@ -545,6 +550,45 @@ class CpuKernels:
         if x.shape[0] and not self._w8a8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
                                                 scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("w8a8_linear: cannot allocate its buffers")
+        return out
+
+    #: most input features of w8a8_gemm (its int32 sums of (q + 128) * x stay below 2^31)
+    W8A8_GEMM_MAX_K = 65536
+
+    def w8a8_pack(self, q: torch.Tensor) -> torch.Tensor:
+        """int8 weights q [N, K] (contiguous, codes in [-127, 127]) -> ``w8a8_gemm``'s layout: uint8
+        [ceil(N/16) * ceil(K/4) * 64], panels of 16 output columns, each [ceil(K/4)][16][4] bytes holding
+        q + 128 (128 past N and K). Raises ValueError on another layout or K above W8A8_GEMM_MAX_K."""
+        if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous() or q.shape[1] > self.W8A8_GEMM_MAX_K:
+            raise ValueError(f"w8a8_pack: q must be contiguous int8 [N, K <= {self.W8A8_GEMM_MAX_K}]")
+        n, k = q.shape
+        wp = torch.empty(-(-n // 16) * -(-k // 4) * 64, dtype=torch.uint8)
+        self._w8a8_pack(q.data_ptr(), n, k, wp.data_ptr())
+        return wp
+
+    def w8a8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``w8a8_linear``'s product (the same bits, for any M) on a weight in ``w8a8_pack``'s layout, for
+        batches of any size: x [M, K] in the kernels' dtype (rows may be strided), packed uint8 (N
+        columns: N = scale.numel()), scale float32 [N], bias [N] -> [M, N] in the kernels' dtype, written
+        into ``out`` when given ([M, N], unit column stride) else a new tensor. vpdpbusd register tiles
+        where ``has_vnni``, scalar loops elsewhere. Raises ValueError on a layout mismatch, MemoryError
+        when the activation buffers cannot be allocated."""
+        m, k = x.shape
+        n = scale.numel()
+        if (packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.numel() != -(-n // 16) * -(-k // 4) * 64
+                or scale.dtype != torch.float32 or not scale.is_contiguous() or k > self.W8A8_GEMM_MAX_K):
+            raise ValueError("w8a8_gemm: layout mismatch")
+        if out is None:
+            out = self._quant_rows(x, bias, n, "w8a8_gemm")
+        else:
+            self._check(x, out)
+            self._check_bias(bias, n, "w8a8_gemm")
+            if x.stride(1) != 1 or out.shape != (m, n) or out.stride(1) != 1:
+                raise ValueError("w8a8_gemm: x and out need contiguous rows, out [M, N]")
+        if m and not self._w8a8_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scale.data_ptr(), n,
+                                     _ptr(bias), out.data_ptr(), out.stride(0)):
+            raise MemoryError("w8a8_gemm: cannot allocate its buffers")
         return out
 
     def q80_linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,

@@ -3,7 +3,8 @@
 ``COL_TILE`` output channels at a time back into the model dtype (a tile's worth of temporary memory,
 never the whole weight) and multiplies; W8A8 sums integer products exactly. With the CPU kernels
 (``q8_linear``, ``lut8_linear``, ``w8a8_linear``), batches of up to ``KERNEL_MAX_ROWS`` rows (decode,
-speculative verify) read the quantised weight directly instead. The GGUF formats' kernels
+speculative verify) read the quantised weight directly instead (W8A8 on CPUs with AVX512-VNNI: every
+batch, on ``w8a8_gemm``'s packed weight). The GGUF formats' kernels
 (``q41_linear``, ``q80_linear``) have a GEMM tiling (a panel of the weight decoded once into a
 cache-resident float buffer) and run batches of up to ``GGUF_KERNEL_MAX_ROWS`` rows, where they were
 measured faster than dequantising into the GEMM library (benchmarks/README.md, issue 11); larger batches
@@ -227,20 +228,46 @@ class Q4LinearMethod(QuantizedLinearMethod):
 class W8A8LinearMethod(Int8LinearMethod):
     """int8 weights per output channel and int8 activations per token (dynamic, symmetric:
     max|x_row| / 127), multiplied as integers with exact sums, then scaled by x's and w's scales in
-    float32 (SmoothQuant's W8A8 without the smoothing, arXiv 2211.10438). Small batches in
-    ``cpu_kernels.w8a8_linear`` (int16 multiply-adds into int32); larger ones as float32 products of
-    the integer codes over chunks of ``EXACT_K`` input features, where every partial sum is an integer
-    below 2^24 and so exact in any order, the chunks added as int32. Both give the same bits, for any
-    batch (batch-invariant without row tiles)."""
+    float32 (SmoothQuant's W8A8 without the smoothing, arXiv 2211.10438). Where the kernels run
+    vpdpbusd (``CpuKernels.has_vnni``: AVX512-VNNI), every batch runs on ``cpu_kernels.w8a8_gemm``
+    and the weight is kept only in its packed layout (``layer.quant["packed"]``, ``w8a8_pack``, once per
+    weight change; no ``"q"``). Otherwise small batches in ``cpu_kernels.w8a8_linear`` (int16
+    multiply-adds into int32) and larger ones as float32 products of the integer codes over chunks of
+    ``EXACT_K`` input features, where every partial sum is an integer below 2^24 and so exact in any
+    order, the chunks added as int32. All give the same bits, for any batch (batch-invariant without
+    row tiles). Raises ValueError at load (with VNNI kernels) for more than 65536 input features."""
 
     #: input features per float32 product: 1024 * 127 * 127 < 2^24
     EXACT_K = 1024
 
     def __init__(self, kernels=None):
         super().__init__(None, kernels)
+        self.packed = kernels is not None and kernels.has_vnni
+
+    def quantize(self, weight):
+        qt = super().quantize(weight)
+        if self.packed:
+            qt = {"packed": self.kernels.w8a8_pack(qt.pop("q")), **qt}
+        return qt
+
+    def on_kernel(self, m: int) -> bool:
+        return self.packed or super().on_kernel(m)  # packed: every batch (w8a8_gemm takes M = 0 too)
 
     def kernel_apply(self, layer, x):
+        if self.packed:
+            return self.kernels.w8a8_gemm(x, layer.quant["packed"], layer.quant["scale"], layer.bias)
         return self.kernels.w8a8_linear(x, layer.quant["q"], layer.quant["scale"], layer.bias)
+
+    def kernel_into(self, layer, x, out):
+        if not self.packed:
+            return False
+        self.kernels.w8a8_gemm(x, layer.quant["packed"], layer.quant["scale"], layer.bias, out=out)
+        return True
+
+    def tile(self, layer, n0, n1, dtype):
+        if self.packed:
+            raise RuntimeError("W8A8 with the VNNI kernels keeps only the packed weight: no float tiles")
+        return super().tile(layer, n0, n1, dtype)
 
     def _product(self, layer, x: torch.Tensor) -> torch.Tensor:
         xq, sx = quantize_rows(x, torch.int8)
