@@ -349,3 +349,34 @@ def test_eviction_and_retraction_on_a_tiny_pool_change_nothing(det_model, refere
     out = _drive(core, _others(seed=700) + [Request("p2", PROMPT, GREEDY)])
     assert out["p2"] == ref
     assert core.scheduler.stats.num_retractions > 0, "the pool should have been too small for the batch"
+
+
+# ---- helper H3 (issue 11 on AVX-512 BF16): head_dim 64, where the bfloat16 chunk_attn takes VDPBF16PS ----
+@pytest.fixture(scope="module")
+def det_model_d64(tmp_path_factory) -> str:
+    """SmolLM2's head shape (head_dim 64, 3 query heads per KV head) in a tiny model: on an AVX-512 BF16 CPU
+    the bfloat16 kernels sum q.k and every linear as VDPBF16PS pair chains (the other tests' head_dim 16
+    keeps chunk_attn on its fmaf chains)."""
+    return make_tiny_model(tmp_path_factory.mktemp("det64"), max_position_embeddings=1024, hidden_size=96,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=64, intermediate_size=160)
+
+
+def test_head_dim_64_alone_beside_others_and_chunked_change_nothing(det_model_d64):
+    """One greedy request with logprobs on the head_dim-64 model gives the same tokens and logprob bits alone,
+    again from the prefix cache, beside 15 mixed requests (shared segments), as one of n=3, and with
+    chunked prefill of 64 and page size 16."""
+    if cpu_kernels.load(torch.bfloat16) is None:
+        pytest.skip("no C compiler: the fused kernels are off")
+    slots = 4096 * KVPool.bytes_per_token(2, 2, 64, torch.bfloat16) // TINY_BYTES
+    ref = _drive(_core(det_model_d64, True, slots=slots), [Request("p", PROMPT, GREEDY)])["p"]
+    assert len(ref[0]) == 24
+    core = _core(det_model_d64, True, slots=slots)
+    assert _drive(core, [Request("p", PROMPT, GREEDY)])["p"] == ref
+    assert _drive(core, [Request("p2", PROMPT, GREEDY)])["p2"] == ref
+    others = _others()
+    out = _drive(core, others[:7] + [Request("p3", PROMPT, GREEDY)] + others[7:])
+    assert out["p3"] == ref
+    out = _drive(core, [Request(f"c{i}", PROMPT, GREEDY) for i in range(3)])
+    assert all(v == ref for v in out.values())
+    core = _core(det_model_d64, True, slots=slots, chunked_prefill_size=64, page_size=16)
+    assert _drive(core, _others()[:5] + [Request("p", PROMPT, GREEDY)])["p"] == ref

@@ -94,8 +94,12 @@ def test_rope_native_equals_portable_and_eager(dtype, d):
 def test_chunk_attn_native_equals_portable(dtype, H, Hkv, D):
     """The batch-invariant attention gives the same bits on both builds (causal tails over cached keys,
     a short last chunk; query heads per kv head 3, 4, 8, 2 and 1, head dims off the 32 / 8 vector
-    blocks), stored softmax state included."""
+    blocks), stored softmax state included. On an AVX-512 BF16 CPU the native bfloat16 build sums q.k as
+    VDPBF16PS pair chains for head dims that are multiples of 32 (another order, by design; checked against
+    float64 by test_chunk_attn_dpbf16_meets_float64_and_is_invariant): there the build without it is checked."""
     native, portable = BUILDS[dtype]
+    if dtype == torch.bfloat16 and D % 32 == 0 and cpu_has("avx512_bf16"):
+        native = native_without_avx512_bf16()[dtype]
     g = _gen(11)
     kc = torch.randn(400, Hkv, D, generator=g).to(dtype)
     vc = torch.randn(400, Hkv, D, generator=g).to(dtype)
@@ -247,3 +251,74 @@ def test_gguf_linear_k_passes_native_equals_portable_and_rows_alone(dtype, fmt):
     ref = x.double() @ held.T
     bound = k * 2.0 ** -23 * (x.double().abs() @ held.abs().T) + (2.0 ** -8 if dtype == torch.bfloat16 else 0) * ref.abs()
     assert ((y.double() - ref).abs() <= bound + 1e-30).all()
+
+
+# ---- helper H3 (issue 11 on AVX-512 BF16): bi_linear and chunk_attn as VDPBF16PS pair chains ----
+DPBF16 = cpu_has("avx512_bf16")
+
+
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (37, 100, True), (40, 33, True)])
+def test_bi_linear_bf16_rows_alone_native_float64_and_portable(n, k, bias):
+    """bfloat16 bi_linear, native build (VDPBF16PS pair chains on an AVX-512 BF16 CPU for even k; k = 33 keeps
+    the fmaf chain): every row's bits are the same alone, in batches of 2 to 300 at any position of the
+    register tiles (6 rows x 4 panels, leftover rows one at a time) and with other neighbours; the product
+    is within float32's summation bound of a float64 product plus one bf16 rounding; the build without
+    AVX-512 BF16 (the fmaf chains) gives the portable build's bits."""
+    native, portable = BUILDS[torch.bfloat16]
+    g = _gen(n + k)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    x = (torch.randn(300, k, generator=g) * 2).to(torch.bfloat16)
+    run = lambda kern, rows: kern.bi_linear(rows, kern.bi_pack_weight(w), n, b)
+    full = run(native, x)
+    alone = torch.cat([run(native, x[i:i + 1]) for i in range(300)])
+    assert torch.equal(full, alone)
+    for m0, m in ((0, 2), (1, 5), (3, 7), (5, 13), (64, 65), (1, 299)):
+        assert torch.equal(run(native, x[m0:m0 + m]), full[m0:m0 + m]), (m0, m)
+    perm = torch.randperm(300, generator=_gen(7))
+    assert torch.equal(run(native, x[perm]), full[perm])
+    xs = x.double()
+    ref = xs @ w.double().T + (b.double() if bias else 0)
+    bound = k * 2.0 ** -23 * (xs.abs() @ w.double().abs().T) + 2.0 ** -8 * ref.abs() + 1e-30
+    assert ((full.double() - ref).abs() <= bound).all()
+    checked = native_without_avx512_bf16()[torch.bfloat16] if DPBF16 else native
+    assert torch.equal(run(checked, x), run(portable, x))
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 1, 32), (6, 3, 40)])
+def test_chunk_attn_bf16_rows_alone_splits_and_float64(H, Hkv, D):
+    """bfloat16 chunk_attn, native build (q.k as VDPBF16PS pair chains on an AVX-512 BF16 CPU for head dims
+    that are multiples of 32; 40 keeps the fmaf chains): a query row's bits are the same alone as in a call
+    with 40 causal rows and a second item, and the same when its first 128 keys are a shared segment
+    folded by an earlier call (stored state) and the rest a tail; the output meets a float64 softmax
+    attention within bfloat16's rounding."""
+    native, _ = BUILDS[torch.bfloat16]
+    bf = torch.bfloat16
+    g = _gen(H * D + 1)
+    S, L, R = 700, 300, 40
+    kc, vc = torch.randn(S, Hkv, D, generator=g).to(bf), torch.randn(S, Hkv, D, generator=g).to(bf)
+    q = (torch.randn(R + 5, H, D, generator=g) * 2).to(bf)
+    slots = torch.randperm(S, generator=g)
+    s1, s2 = slots[:L], slots[L:L + 77]
+    limits = torch.arange(L - R + 1, L + 1)  # rows 0..39: causal over the last 40 positions
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
+    full = torch.zeros(R + 5, H, D, dtype=bf)
+    native.chunk_attn(q, kc, vc, i64(0, L, L + 77), torch.cat([s1, s2]), i64(0, R, R + 5), torch.arange(R + 5),
+                      torch.cat([limits, torch.full((5,), 77)]), D ** -0.5, full)
+    for r in (0, 1, 17, 39):
+        one = torch.zeros(R + 5, H, D, dtype=bf)
+        native.chunk_attn(q, kc, vc, i64(0, L), s1, i64(0, 1), i64(r), limits[r:r + 1], D ** -0.5, one)
+        assert torch.equal(one[r], full[r]), r
+    st = (torch.full((R + 5, H), float("-inf")), torch.zeros(R + 5, H), torch.zeros(R + 5, H, D))
+    split = torch.zeros(R + 5, H, D, dtype=bf)
+    native.chunk_attn(q, kc, vc, i64(0, 128), s1[:128], i64(0, R), torch.arange(R), None, D ** -0.5, None, st, True)
+    native.chunk_attn(q, kc, vc, i64(0, L - 128), s1[128:], i64(0, R), torch.arange(R), limits - 128, D ** -0.5,
+                      split, st, False)
+    assert torch.equal(split[:R], full[:R])
+    grp = H // Hkv
+    K = kc[s1].double().repeat_interleave(grp, 1)
+    V = vc[s1].double().repeat_interleave(grp, 1)
+    sc = torch.einsum("rhd,khd->rhk", q[:R].double(), K) * D ** -0.5
+    sc = sc.masked_fill(~(torch.arange(L)[None, :] < limits[:, None])[:, None, :], float("-inf"))
+    ref = torch.einsum("rhk,khd->rhd", sc.softmax(-1), V)
+    torch.testing.assert_close(full[:R].double(), ref, rtol=1e-2, atol=1e-2)

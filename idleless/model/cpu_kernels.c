@@ -813,8 +813,35 @@ static inline __attribute__((always_inline)) void ca_pv_n(const float *p, int64_
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++) _mm256_storeu_ps(acl + n * d + i0 + 8 * c, a[n][c]);
 }
+#if defined(__AVX512F__)
+/* output elements [i0, i0 + 16 * NV) of nq rows with 512-bit FMAs: the same chains as ca_pv_n (H3) */
+static inline __attribute__((always_inline)) void ca_pv512_n(const float *p, int64_t nn, const float *vf, int64_t d,
+                                                             int64_t i0, float *acl, const int nq, const int nv) {
+    __m512 a[CA_NQ][4];
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) a[n][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nn; j++) {
+        __m512 v[4];
+        for (int c = 0; c < nv; c++) v[c] = _mm512_loadu_ps(vf + j * d + i0 + 16 * c);
+        for (int n = 0; n < nq; n++) {
+            __m512 pv = _mm512_set1_ps(p[n * BI_CHUNK + j]);
+            for (int c = 0; c < nv; c++) a[n][c] = _mm512_fmadd_ps(pv, v[c], a[n][c]);
+        }
+    }
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acl + n * d + i0 + 16 * c, a[n][c]);
+}
+#endif
 static void ca_pv(const float *p, int nq, int64_t nn, const float *vf, int64_t d, float *acl) {
     int64_t i0 = 0;
+#if defined(__AVX512F__)
+    for (; i0 + 64 <= d; i0 += 64) {
+        if (nq == 3) ca_pv512_n(p, nn, vf, d, i0, acl, 3, 4);
+        else if (nq == 2) ca_pv512_n(p, nn, vf, d, i0, acl, 2, 4);
+        else ca_pv512_n(p, nn, vf, d, i0, acl, 1, 4);
+    }
+    for (; i0 + 16 <= d; i0 += 16) ca_pv512_n(p, nn, vf, d, i0, acl, nq, 1);
+#endif
     for (; i0 + 32 <= d; i0 += 32) {
         if (nq == 3) ca_pv_n(p, nn, vf, d, i0, acl, 3, 4);
         else if (nq == 2) ca_pv_n(p, nn, vf, d, i0, acl, 2, 4);
@@ -932,10 +959,202 @@ static inline void ca_gather_##SUF(const T *k_cache, const T *v_cache, const int
 DEFINE_CA_GATHER(f32, float)
 DEFINE_CA_GATHER(bf16, uint16_t)
 
+/* ---- Batch-invariant kernels on AVX-512 BF16 (helper H3, issue 11 on AMD EPYC Zen 4) ------------------
+ * Where the CPU has VDPBF16PS, the bfloat16 batch-invariant kernels take bf16 pairs as the instruction
+ * wants them: each product of two bf16 values is exact in float32, two of them added to the float32
+ * accumulator per lane and step (Intel SDM, VDPBF16PS; inputs and outputs denormal-flushed). That is
+ * another fixed summation order than the portable fmaf chains (so these bits differ from the scalar
+ * build, by design, as decode_attn's VDPBF16PS kernel does), and still one chain per output element
+ * whatever the number of rows, the tile an element falls in or the other queries of a call:
+ *  - bi_linear: out[r, col] = chain over the K / 2 pairs p in order of acc = VDPBF16PS(acc, (x[2p],
+ *    x[2p+1]), (w[col][2p], w[col][2p+1])) from 0, + bias, rounded to bf16 once; the weight packed per
+ *    panel of BI_PANEL columns as [K / 2][BI_PANEL][2] (bi_linear_pack, K even; odd K keeps the fmaf path).
+ *  - chunk_attn: a score q.k is the chain over the d / 2 pairs in order (lane = key: a chunk's keys are
+ *    gathered as [d / 2][BI_CHUNK] bf16 pairs by a 16 x 16 transpose of 32-bit words); for d a multiple of
+ *    32. The rest (softmax, P.V as fmaf chains over the keys, the fold) is the portable arithmetic; P.V
+ *    runs 512-bit FMAs here in every dtype, the same chains, the same bits. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BI_DP_MR 6 /* rows per register tile of bi_linear_dp (x BI_DP_NP panels: 24 accumulators) */
+#define BI_DP_NP 4
+/* r[0..16) rows of 16 32-bit words -> r[c] = column c (a 16 x 16 transpose) */
+static inline void ca_transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* u[4k + c], 128-bit lane L: rows 4k..4k+3 of column 4L + c */
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* column 4L + c, lane G = u[4G + c] lane L */
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xee);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+static inline uint32_t ld_pair(const uint16_t *p) { uint32_t u; memcpy(&u, p, 4); return u; }
+static inline int ca_dp_bf16(int64_t d) { return d % 32 == 0; }
+/* n <= BI_CHUNK keys (rows k_cache + sl[j] * tok + off): keys as bf16 pairs kp [d / 2][BI_CHUNK] (32-bit
+ * words), values as float32 vf [BI_CHUNK][d]; d a multiple of 32 */
+static void ca_gather_dp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
+                              int64_t tok, int64_t off, int64_t d, uint32_t *kp, float *vf) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const uint16_t *kr[16];
+        for (int r = 0; r < 16; r++) kr[r] = k_cache + sl[j + r] * tok + off;
+        for (int64_t pb = 0; pb < d / 32; pb++) { /* pairs 16 pb .. 16 pb + 15 */
+            __m512i x[16];
+            for (int r = 0; r < 16; r++) x[r] = _mm512_loadu_si512(kr[r] + 32 * pb);
+            ca_transpose16_epi32(x);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(kp + (16 * pb + c) * BI_CHUNK + j, x[c]);
+        }
+    }
+    for (; j < n; j++) {
+        const uint16_t *kr = k_cache + sl[j] * tok + off;
+        for (int64_t i = 0; i < d / 2; i++) kp[i * BI_CHUNK + j] = ld_pair(kr + 2 * i);
+    }
+    for (j = 0; j < n; j++) {
+        const uint16_t *vr = v_cache + sl[j] * tok + off;
+        for (int64_t i = 0; i < d; i += 16)
+            _mm512_storeu_ps(vf + j * d + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + i))), 16)));
+    }
+}
+/* sc[n][j] = the VDPBF16PS chain over the pairs of q[n] (nq <= CA_NQ query heads d apart) and key j */
+static inline __attribute__((always_inline)) void ca_scores_dp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
+                                                                 float *sc, const int nq) {
+    __m512 a[CA_NQ][4];
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < 4; c++) a[n][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d / 2; i++) {
+        const uint32_t *kr = kp + i * BI_CHUNK;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 16);
+        __m512bh k2 = (__m512bh)_mm512_loadu_si512(kr + 32), k3 = (__m512bh)_mm512_loadu_si512(kr + 48);
+        for (int n = 0; n < nq; n++) {
+            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q + n * d + 2 * i));
+            a[n][0] = _mm512_dpbf16_ps(a[n][0], qv, k0);
+            a[n][1] = _mm512_dpbf16_ps(a[n][1], qv, k1);
+            a[n][2] = _mm512_dpbf16_ps(a[n][2], qv, k2);
+            a[n][3] = _mm512_dpbf16_ps(a[n][3], qv, k3);
+        }
+    }
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sc + n * BI_CHUNK + 16 * c, a[n][c]);
+}
+static void ca_scores_dp_bf16(const uint16_t *q, int nq, int64_t d, const uint32_t *kp, float *sc) {
+    if (nq == 3) ca_scores_dp_n(q, d, kp, sc, 3);
+    else if (nq == 2) ca_scores_dp_n(q, d, kp, sc, 2);
+    else ca_scores_dp_n(q, d, kp, sc, 1);
+}
+
+/* bf16 rounding of 16 float32 lanes as f32_to_bf16 (nearest even, NaN kept quiet), stored under mask */
+static inline void bi_store_bf16x16(uint16_t *p, __m512 v, __mmask16 mask) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    _mm512_mask_cvtepi32_storeu_epi16(p, mask, _mm512_srli_epi32(r, 16));
+}
+/* The epilogue of every tile: out = bf16(acc + bias) (no add without a bias) for the columns below n */
+static inline void bi_dp_out(__m512 acc, const uint16_t *bias, int64_t col, int64_t n, uint16_t *out) {
+    __mmask16 mask = n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - col)) - 1u);
+    if (bias)
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const __m256i *)(bias + col))), 16)));
+    bi_store_bf16x16(out + col, acc, mask);
+}
+/* MR rows x NP panels from panel p0: acc[r][p] = the pair chain (the section comment) */
+static inline __attribute__((always_inline)) void bi_dp_tile(const uint16_t *x, int64_t ldx, const uint16_t *wp,
+                                                             int64_t k, int64_t p0, const int mr, const int np,
+                                                             const uint16_t *bias, int64_t n, uint16_t *out,
+                                                             int64_t ldo) {
+    __m512 a[BI_DP_MR][8];
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) a[r][p] = _mm512_setzero_ps();
+    const int64_t k2 = k / 2;
+    const uint16_t *w = wp + p0 * k * BI_PANEL;
+    for (int64_t kk = 0; kk < k2; kk++) {
+        __m512bh wv[8];
+        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + (p * k2 + kk) * 2 * BI_PANEL);
+        for (int r = 0; r < mr; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + 2 * kk));
+            for (int p = 0; p < np; p++) a[r][p] = _mm512_dpbf16_ps(a[r][p], xv, wv[p]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) {
+            int64_t col = (p0 + p) * BI_PANEL;
+            if (col < n) bi_dp_out(a[r][p], bias, col, n, out + r * ldo);
+        }
+}
+/* bi_linear for bf16 with k even (bi_linear_pack_bf16 packed pairs): tiles of BI_DP_MR rows x BI_DP_NP
+ * panels, the rows left over one at a time across 8 panels (a decode row streams 8 panels side by side);
+ * threads split (row block, group of 8 panels) pairs. Always returns 1 (no buffers). */
+static int bi_linear_dp_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *wp, int64_t n,
+                             const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    int64_t np = (n + BI_PANEL - 1) / BI_PANEL, ngroups = (np + 7) / 8, nrb = (m + BI_ROWS - 1) / BI_ROWS;
+#pragma omp parallel for collapse(2) schedule(static) if (m * k * n >= 16 * PAR_MIN_WORK)
+    for (int64_t rb = 0; rb < nrb; rb++)
+        for (int64_t gi = 0; gi < ngroups; gi++) {
+            int64_t r0 = rb * BI_ROWS, r1 = r0 + BI_ROWS < m ? r0 + BI_ROWS : m;
+            int64_t p0 = gi * 8, p1 = p0 + 8 < np ? p0 + 8 : np, r = r0;
+            for (; r + BI_DP_MR <= r1; r += BI_DP_MR) {
+                int64_t p = p0;
+                for (; p + BI_DP_NP <= p1; p += BI_DP_NP)
+                    bi_dp_tile(x + r * ldx, ldx, wp, k, p, BI_DP_MR, BI_DP_NP, bias, n, out + r * ldo, ldo);
+                for (; p < p1; p++) bi_dp_tile(x + r * ldx, ldx, wp, k, p, BI_DP_MR, 1, bias, n, out + r * ldo, ldo);
+            }
+            for (; r < r1; r++) {
+                if (p1 - p0 == 8) bi_dp_tile(x + r * ldx, ldx, wp, k, p0, 1, 8, bias, n, out + r * ldo, ldo);
+                else for (int64_t p = p0; p < p1; p++) bi_dp_tile(x + r * ldx, ldx, wp, k, p, 1, 1, bias, n, out + r * ldo, ldo);
+            }
+        }
+    return 1;
+}
+/* w [n, k] -> pairs per panel [k / 2][BI_PANEL][2], zero past column n (k even) */
+static void bi_linear_pack_dp_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *wp) {
+    int64_t np = (n + BI_PANEL - 1) / BI_PANEL;
+#pragma omp parallel for if (n * k >= PAR_MIN_WORK)
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t kk = 0; kk < k / 2; kk++)
+            for (int64_t c = 0; c < BI_PANEL; c++)
+                for (int h = 0; h < 2; h++) {
+                    int64_t col = p * BI_PANEL + c;
+                    wp[((p * (k / 2) + kk) * BI_PANEL + c) * 2 + h] = col < n ? w[col * k + 2 * kk + h] : 0;
+                }
+}
+#define BI_DP_LINEAR_bf16(...) if (k % 2 == 0) return bi_linear_dp_bf16(__VA_ARGS__);
+#define BI_DP_PACK_bf16(...) if (k % 2 == 0) { bi_linear_pack_dp_bf16(__VA_ARGS__); return; }
+#else
+static inline int ca_dp_bf16(int64_t d) { return 0; }
+static inline void ca_gather_dp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
+                                     int64_t tok, int64_t off, int64_t d, uint32_t *kp, float *vf) {}
+static inline void ca_scores_dp_bf16(const uint16_t *q, int nq, int64_t d, const uint32_t *kp, float *sc) {}
+#define BI_DP_LINEAR_bf16(...)
+#define BI_DP_PACK_bf16(...)
+#endif
+/* float32 never takes the pair paths */
+static inline int ca_dp_f32(int64_t d) { return 0; }
+static inline void ca_gather_dp_f32(const float *k_cache, const float *v_cache, const int64_t *sl, int64_t n,
+                                    int64_t tok, int64_t off, int64_t d, uint32_t *kp, float *vf) {}
+static inline void ca_scores_dp_f32(const float *q, int nq, int64_t d, const uint32_t *kp, float *sc) {}
+#define BI_DP_LINEAR_f32(...)
+#define BI_DP_PACK_f32(...)
+/* ---- end of the AVX-512 BF16 batch-invariant block ---- */
+
+
 #define DEFINE_BI_KERNELS(SUF, T)                                                                              \
 /* Pack w [n, k] into bi_linear's layout: ceil(n / BI_PANEL) panels, each [k][BI_PANEL] (the panel's           \
  * columns side by side for every k), zero past column n. wp holds ceil(n / BI_PANEL) * BI_PANEL * k. */       \
 void bi_linear_pack_##SUF(const T *w, int64_t n, int64_t k, T *wp) {                                           \
+    BI_DP_PACK_##SUF(w, n, k, wp) /* AVX-512 BF16: pairs (section comment above) */                            \
     int64_t np = (n + BI_PANEL - 1) / BI_PANEL;                                                                \
     _Pragma("omp parallel for if (n * k >= PAR_MIN_WORK)")                                                     \
     for (int64_t p = 0; p < np; p++)                                                                           \
@@ -980,6 +1199,7 @@ static inline void bi_tile_cols_##SUF(const float *x, const T *w, int64_t k, int
  * (row block, panel group) pairs. Returns 0 if the row buffer cannot be allocated, else 1. */                 \
 int bi_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const T *wp, int64_t n, const T *bias,      \
                     T *out, int64_t ldo) {                                                                     \
+    BI_DP_LINEAR_##SUF(x, m, k, ldx, wp, n, bias, out, ldo) /* AVX-512 BF16: the pair chains */                \
     int64_t np = (n + BI_PANEL - 1) / BI_PANEL, ngroups = (np + BI_NP - 1) / BI_NP;                            \
     int64_t nrb = (m + BI_ROWS - 1) / BI_ROWS;                                                                 \
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k));                                              \
@@ -1042,6 +1262,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
                      float *st_l, float *st_acc, int store, T *out) {                                          \
     int64_t grp = nh / nkv, ntasks = 0;                                                                        \
+    const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: q.k as pair chains (section comment above) */              \
     if (d > BI_MAX_D) return 0;                                                                                \
     int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_items + 1));                            \
     if (!task_off) return 0;                                                                                   \
@@ -1087,7 +1308,8 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
             int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                      \
             if (c1 - c0 < BI_CHUNK) /* a short last chunk: scores past it are computed and ignored */          \
                 for (int64_t i = 0; i < d; i++) for (int64_t j = c1 - c0; j < BI_CHUNK; j++) kf[i * BI_CHUNK + j] = 0.f; \
-            ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);                   \
+            if (dp) ca_gather_dp_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, (uint32_t *)kf, vf); \
+            else ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);              \
             for (int64_t e = e0; e < e1; e++) {                                                                \
                 int64_t lim = limits ? limits[e] : nkeys;                                                      \
                 if (lim <= c0) continue;                                                                       \
@@ -1096,7 +1318,9 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                     int nq = grp - g0 < CA_NQ ? (int)(grp - g0) : CA_NQ;                                       \
                     int64_t si0 = (e - e0) * grp + g0;                                                         \
                     float sc[CA_NQ * BI_CHUNK], acl[CA_NQ * BI_MAX_D], mcs[CA_NQ], lcs[CA_NQ];                 \
-                    ca_scores(qf + si0 * d, nq, d, kf, sc);                                                    \
+                    if (dp) ca_scores_dp_##SUF(q + rows[e] * q_stride + (kh * grp + g0) * d, nq, d,            \
+                                               (const uint32_t *)kf, sc);                                      \
+                    else ca_scores(qf + si0 * d, nq, d, kf, sc);                                               \
                     /* keys past nn get score -inf, hence p = 0, which adds nothing */                         \
                     for (int n = 0; n < nq; n++) ca_softmax(sc + n * BI_CHUNK, nn, scale, mcs + n, lcs + n);   \
                     ca_pv(sc, nq, nn, vf, d, acl);                                                             \

@@ -427,7 +427,8 @@ class CpuKernels:
 
     def bi_pack_weight(self, weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """weight [N, K] in the kernels' dtype -> bi_linear's panel layout [ceil(N / BI_PANEL), K, BI_PANEL],
-        zero past column N (the weight's bytes again): written into ``out`` when it is a contiguous tensor
+        zero past column N (the weight's bytes again; for bfloat16 with K even on AVX-512 BF16 CPUs each
+        panel holds [K / 2, BI_PANEL, 2]: the column's pairs (2k, 2k+1) side by side, as VDPBF16PS reads them): written into ``out`` when it is a contiguous tensor
         of that shape and dtype (a weight update re-packs in place, without touching new memory), else
         into a new tensor. Returns the packed tensor."""
         self._check(weight)
@@ -443,8 +444,11 @@ class CpuKernels:
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Batch-invariant y = x W^T (+ bias): x [M, K] (rows may be strided), W [N, K] packed by
         ``bi_pack_weight``, bias [N] -> new [M, N] in the kernels' dtype. Each output element is one
-        float32 fused-multiply-add chain over k in order, rounded once (after the bias), so a row's
-        result is bit-identical for any M and any other rows (and on AVX2, AVX-512 or scalar builds).
+        float32 chain over k in order, rounded once (after the bias), so a row's result is bit-identical
+        for any M and any other rows: fused multiply-adds one k at a time (float32, and bfloat16 on CPUs
+        without AVX-512 BF16: the same bits on AVX2, AVX-512 and scalar builds), or, for bfloat16 with K
+        even on AVX-512 BF16 CPUs, VDPBF16PS over the pairs (2k, 2k+1) in order (exact products, another
+        order than the scalar build's, by design; the section comments in cpu_kernels.c).
         Raises ValueError on a layout mismatch, MemoryError if the row buffer cannot be allocated."""
         self._check(x)
         m, k = x.shape
@@ -463,7 +467,8 @@ class CpuKernels:
                    limits: Optional[torch.Tensor], scale: float, out: Optional[torch.Tensor],
                    state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                    store: bool = False) -> None:
-        """Attention with one reduction order per query row (see the section comment in cpu_kernels.c).
+        """Attention with one reduction order per query row (see the section comments in cpu_kernels.c; in
+        bfloat16 on AVX-512 BF16 CPUs, with D a multiple of 32, q.k is a VDPBF16PS chain over the pairs).
         Item i: keys slots[key_offsets[i]:key_offsets[i+1]] of k_cache / v_cache [num_slots, Hkv, D],
         the first at an absolute position that is a multiple of BI_CHUNK; query rows
         rows[row_offsets[i]:row_offsets[i+1]] of q [T, H, D] (heads contiguous, rows may be strided);

@@ -19,8 +19,9 @@ up to ``CpuKernels.AMX_LINEAR_MAX_ROWS`` rows, i.e. decode steps, in ``cpu_kerne
 tile-layout copy, where oneDNN's per-call cost is high; larger batches stay on oneDNN). For
 deterministic inference, where a row's result must not depend on the other rows of the batch (a GEMM
 library picks another kernel, hence another summation order, for another number of rows):
-``InvariantLinearMethod`` (``cpu_kernels.bi_linear``: one float32 FMA chain per output element, any
-number of rows) and, without the kernels, ``TiledLinearMethod`` (``F.linear`` on fixed 16-row tiles).
+``InvariantLinearMethod`` (``cpu_kernels.bi_linear``: one float32 chain per output element, any
+number of rows: fused multiply-adds, or VDPBF16PS over pairs of the input features in bfloat16 on AVX-512
+BF16 CPUs) and, without the kernels, ``TiledLinearMethod`` (``F.linear`` on fixed 16-row tiles).
 ``SmallBatchLinearMethod`` (float32 with the kernels): ``bi_linear`` for batches of up to
 ``SMALL_BATCH_ROWS`` rows, where the GEMM library's small-M kernels read the weight less efficiently
 (a 2- to 8-row speculative verify would otherwise cost two decode steps), the library above.
@@ -163,9 +164,9 @@ class AmxLinearMethod(OneDnnLinearMethod):
 
 class InvariantLinearMethod(LinearMethod):
     """Batch-invariant: ``cpu_kernels.bi_linear`` on a panel-packed copy of the weight (``layer.bi``,
-    the same bytes again): every output element is one float32 fused-multiply-add chain over the input
-    features in order, rounded once, whatever the number of rows. kernels: a CpuKernels of the model
-    dtype."""
+    the same bytes again, in pairs for VDPBF16PS where the bfloat16 kernel uses it): every output element
+    is one float32 chain over the input features in order (``CpuKernels.bi_linear``), rounded once,
+    whatever the number of rows. kernels: a CpuKernels of the model dtype."""
 
     def __init__(self, kernels):
         self.kernels = kernels
