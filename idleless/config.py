@@ -164,8 +164,14 @@ class EngineConfig:
                                "at load from float checkpoints")
     activation_dtype: str = option("bf16", "bf16 (the model dtype) | int8 (dynamic: per token with int8 weights, "
                                    "W8A8; per block of 32 with int4 or native GGUF Q4_1 weights, W4A8)")
-    kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 | int8 (scales per "
-                                 "token and KV head); 8-bit formats hold about twice the tokens")
+    kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 (a static scale per "
+                                 "layer and KV head: calibrated at start-up on a built-in text, or "
+                                 "--quantization-param-path; exactly twice bf16's tokens) | int8 (a scale per "
+                                 "token and KV head; ~1.9x bf16's tokens)")
+    quantization_param_path: Optional[str] = option(None, "fp8 KV cache: a JSON file of K/V scales per layer (and "
+                                                    "optionally per KV head) instead of the calibration pass; "
+                                                    "vLLM's / SGLang's kv_cache.scaling_factor schema "
+                                                    "(idleless.quant.kv_scales); a missing layer or head is refused")
     # the accuracy gate at start-up (idleless.quant.gate; issue 14)
     max_quantization_kl: float = option(0.1, "refuse to start when the chosen weight / activation / KV precision's "
                                         "mean KL divergence from the unquantised model on a built-in text exceeds "

@@ -194,15 +194,20 @@ def test_decode_attn_native_equals_portable_and_float64(dtype, H, Hkv, D):
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_decode_attn_q8_native_equals_portable(dtype, fmt):
     """The decode kernel over an 8-bit KV pool (AVX2: bytes through the format's table by a gather, the
-    key's K scale in its score factor, V's scale in its weight) gives the scalar kernel's bits, output
+    K scale in its score factor, V's scale in its weight (int8, per slot) or the output (fp8, per head))
+    gives the scalar kernel's bits (the AVX2 build's on an AVX-512 BF16 CPU), output
     and log-sum-exp, for requests of 0, 1, 7, 8, 9 and 300 keys on scattered slots (its float64
     reference is tests/test_kv_dtype.py's)."""
     from idleless.cache.kv_pool import KVPool
 
     native, portable = BUILDS[dtype]
+    if dtype == torch.bfloat16 and cpu_has("avx512_bf16"):  # the VDPBF16PS kernel there (test_kv_dtype.py)
+        native = native_without_avx512_bf16()[dtype]
     H, Hkv, D = 9, 3, 64
     g = _gen(5)
-    pool = KVPool(1, Hkv, D, 1000, dtype, cache_dtype=fmt)
+    scales = None if fmt == "int8" else (torch.rand(1, Hkv, generator=g) / 50 + 0.01,
+                                         torch.rand(1, Hkv, generator=g) / 50 + 0.004)
+    pool = KVPool(1, Hkv, D, 1000, dtype, cache_dtype=fmt, kv_scales=scales)  # fp8: static per-head scales
     k, v = pool.layer_kv(0)
     k.write(torch.arange(1000), torch.randn(1000, Hkv, D, generator=g) * 4)
     v.write(torch.arange(1000), torch.randn(1000, Hkv, D, generator=g))

@@ -1,5 +1,9 @@
-"""Quantised KV cache (issue 14): the pool's formats, capacity, and attention over the stored format
-against float64 attention over the same dequantised K/V."""
+"""Quantised KV cache (issue 14): the pool's formats (int8 with per-token scales, fp8 with static
+per-head scales), capacity, the calibration pass and the scale file, attention over the stored format
+against float64 attention over the same dequantised K/V, the kernels' builds against each other, and the
+engine's radix hits / chunked prefill / retraction over an fp8 cache against a cold run."""
+
+import json
 
 import pytest
 import torch
@@ -8,48 +12,85 @@ from idleless.cache.kv_pool import KVPool
 from idleless.model import cpu_kernels
 from idleless.model.attention import CompositeAttention, FusedDecodeAttention, TorchNativeAttention
 from idleless.model.attention.invariant import TorchChunkedAttention
+from idleless.quant import kv_scales
 from idleless.quant.kv import QuantizedKV
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 FMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+FP8_DTYPE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 H, HKV, D = 4, 2, 16
+
+
+def head_scales(layers: int, heads: int, seed: int = 0, amax: float = 6.0, fmt: str = "fp8_e4m3"):
+    """Static (k, v) scales [layers, heads] for an fp8 pool: amax * U(0.5, 1.5) * 4 / fmax (the
+    calibration's form with a made-up amax per head)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(amax * (0.5 + torch.rand(layers, heads, generator=g)) * 4 / FMAX.get(fmt, 448.0) for _ in "kv")
+
+
+def make_pool(fmt, layers, heads, dim, slots, dtype, seed=0):
+    """A pool of format ``fmt``, with made-up static scales (``head_scales``) when it is fp8."""
+    scales = head_scales(layers, heads, seed, fmt=fmt) if fmt in FP8_DTYPE else None
+    return KVPool(layers, heads, dim, slots, dtype, cache_dtype=fmt, kv_scales=scales)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_written_rows_round_trip(fmt):
-    pool = KVPool(1, HKV, D, 32, torch.float32, cache_dtype=fmt)
+    pool = make_pool(fmt, 1, HKV, D, 32, torch.float32)
     k, _ = pool.layer_kv(0)
-    assert isinstance(k, QuantizedKV) and pool.quantized
+    assert isinstance(k, QuantizedKV) and pool.quantized and k.static == (fmt != "int8")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, HKV, D, generator=g) * torch.tensor([0.01, 30.0])[None, :, None]
     slots = torch.tensor([7, 3, 30, 0, 12])
     k.write(slots, x)
     scale = pool.k_scale[0, slots]
-    assert torch.equal(scale, x.abs().amax(-1) / FMAX[fmt])  # per token and head, from the row itself
+    if fmt == "int8":
+        assert torch.equal(scale, x.abs().amax(-1) / FMAX[fmt])  # per token and head, from the row itself
+    else:  # the static per-head scale for every slot, untouched by the write; no memory per slot
+        assert torch.equal(scale, pool.k_head_scale[0].expand(5, HKV)) and pool.k_scale.stride(1) == 0
+        assert bool((pool.k_head_scale > 0).all())
     back = k.index_select(0, slots).double()
-    err = (back - x.double()).abs()
+    # fp8: saturation at +-fmax * scale (the second head's values run far beyond it)
+    top = (scale.double() * FMAX[fmt])[..., None]
+    want = x.double().clamp(-top, top) if fmt != "int8" else x.double()
+    err = (back - want).abs()
     if fmt == "int8":
         bound = scale.double()[..., None] / 2 * 1.0001
     else:
         rel = 2.0 ** -4 if fmt == "fp8_e4m3" else 2.0 ** -3
-        bound = x.double().abs() * rel * 1.0001 + scale.double()[..., None] * 2.0 ** -9
+        sub = 2.0 ** -9 if fmt == "fp8_e4m3" else 2.0 ** -16
+        bound = want.abs() * rel * 1.0001 + scale.double()[..., None] * sub
+        assert bool((x.double().abs() > top).any())  # the clamp was exercised
+        assert bool((back.abs() <= top).all())
     assert bool((err <= bound).all())
     assert torch.equal(k[slots.min().item():slots.min().item() + 1], k.index_select(0, slots.min().reshape(1)))
 
 
 def test_bytes_per_token_and_capacity():
-    # float32 K and V: 2 * layers * heads * D * 4; a quantised format: D bytes + a float32 scale per head
+    # float32 K and V: 2 * layers * heads * D * 4; int8: D bytes + a float32 scale per head; fp8: D bytes
     assert KVPool.bytes_per_token(3, 2, 64, torch.float32) == 2 * 3 * 2 * 64 * 4
     assert KVPool.bytes_per_token(3, 2, 64, torch.bfloat16) == 2 * 3 * 2 * 64 * 2
     assert KVPool.bytes_per_token(3, 2, 64, torch.float32, "bf16") == 2 * 3 * 2 * 64 * 2
-    for fmt in FORMATS:
-        assert KVPool.bytes_per_token(3, 2, 64, torch.bfloat16, fmt) == 2 * 3 * 2 * (64 + 4)
-    budget = 1 << 20
-    bf16 = budget // KVPool.bytes_per_token(3, 2, 64, torch.bfloat16)
-    int8 = budget // KVPool.bytes_per_token(3, 2, 64, torch.bfloat16, "int8")
+    assert KVPool.bytes_per_token(3, 2, 64, torch.bfloat16, "int8") == 2 * 3 * 2 * (64 + 4)
+    for fmt in FP8_DTYPE:
+        assert KVPool.bytes_per_token(3, 2, 64, torch.bfloat16, fmt) == 2 * 3 * 2 * 64
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads, head_dim 64 in a 2 GiB budget
+    budget = 2 << 30
+    bf16 = budget // KVPool.bytes_per_token(30, 3, 64, torch.bfloat16)
+    int8 = budget // KVPool.bytes_per_token(30, 3, 64, torch.bfloat16, "int8")
+    fp8 = budget // KVPool.bytes_per_token(30, 3, 64, torch.bfloat16, "fp8_e4m3")
+    assert (bf16, int8, fp8) == (93206, 175448, 186413) and fp8 in (2 * bf16, 2 * bf16 + 1)
     assert int8 / bf16 > 1.85  # 128 / 68 bytes per head
     with pytest.raises(ValueError, match="kv cache dtype"):
         KVPool(1, 2, 16, 8, torch.float32, cache_dtype="int4")
+    with pytest.raises(ValueError, match="no default"):
+        KVPool(1, 2, 16, 8, torch.float32, cache_dtype="fp8_e4m3")  # never a scale of 1.0
+    with pytest.raises(ValueError, match="positive and finite"):
+        KVPool(1, 2, 16, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(torch.ones(1, 2), torch.zeros(1, 2)))
+    with pytest.raises(ValueError, match=r"\[1, 2\]"):
+        KVPool(1, 2, 16, 8, torch.float32, cache_dtype="fp8_e5m2", kv_scales=(torch.ones(2), torch.ones(2)))
+    with pytest.raises(ValueError, match="no static scales"):
+        KVPool(1, 2, 16, 8, torch.float32, cache_dtype="int8", kv_scales=(torch.ones(1, 2), torch.ones(1, 2)))
 
 
 def _reference(q, pool, tables, starts, extend, prefix):
@@ -88,7 +129,7 @@ def test_attention_reads_the_stored_format(fmt, kind):
     segment, aligned to 64 when deterministic), a fresh prompt. Outputs match float64 attention over
     the dequantised K/V (the new tokens' K/V included: they are read back from the pool)."""
     g = torch.Generator().manual_seed(1)
-    pool = KVPool(1, HKV, D, 400, torch.float32, cache_dtype=fmt)
+    pool = make_pool(fmt, 1, HKV, D, 400, torch.float32)
     attn = _backends(pool, kind)
     perm = torch.randperm(400, generator=g)
     # step 1: request A prefills 80 tokens
@@ -137,7 +178,7 @@ def test_decode_kernel_reads_bytes_and_scales(fmt):
     if kern is None:
         pytest.skip("no C compiler")
     g = torch.Generator().manual_seed(2)
-    pool = KVPool(1, HKV, D, 100, torch.float32, cache_dtype=fmt)
+    pool = make_pool(fmt, 1, HKV, D, 100, torch.float32)
     k, v = pool.layer_kv(0)
     k.write(torch.arange(100), torch.randn(100, HKV, D, generator=g) * 4)
     v.write(torch.arange(100), torch.randn(100, HKV, D, generator=g))
@@ -161,7 +202,8 @@ def test_decode_kernel_reads_bytes_and_scales(fmt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_writes_the_bytes_of_the_torch_quantiser(fmt, dtype):
     """kv_write_q8 stores the same bytes and scales as QuantizedKV.write (PyTorch's round-to-nearest-
-    even conversions), on values that hit ties, zeros, subnormal fp8 codes and the format's top."""
+    even conversions), on values that hit ties, zeros, subnormal fp8 codes, the format's top and (static
+    scales) values beyond it, which saturate."""
     kern = cpu_kernels.load(dtype)
     if kern is None:
         pytest.skip("no C compiler")
@@ -172,9 +214,260 @@ def test_kernel_writes_the_bytes_of_the_torch_quantiser(fmt, dtype):
     x[2, 0, :] = -0.0
     x = x.to(dtype)
     slots = torch.randperm(64, generator=g)[:40]
-    a = KVPool(1, HKV, D, 64, dtype, cache_dtype=fmt)
-    b = KVPool(1, HKV, D, 64, dtype, cache_dtype=fmt)
+    a = make_pool(fmt, 1, HKV, D, 64, dtype, seed=4)
+    b = make_pool(fmt, 1, HKV, D, 64, dtype, seed=4)
     a.layer_kv(0)[0].write(slots, x)
     kern.kv_write_q8(b.layer_kv(0)[0], x, slots)
     assert torch.equal(a.k_scale, b.k_scale)
     assert torch.equal(a.k_cache.view(torch.uint8), b.k_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", list(FP8_DTYPE))
+def test_static_fp8_codes_every_value_tie_and_overflow(fmt):
+    """With a static scale, kv_write_q8 (native and portable builds) and QuantizedKV.write store
+    PyTorch's float8 conversion of clamp(x / s, +-fmax): every code's value, every midpoint between
+    neighbouring codes (ties to even), values past fmax (saturated, never NaN) and signed zeros."""
+    from kernel_builds import native_and_portable
+
+    fp8 = FP8_DTYPE[fmt]
+    vals = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    pos = vals[:128][torch.isfinite(vals[:128])].unique().sort().values  # 0 .. fmax
+    mids = (pos[1:] + pos[:-1]) / 2
+    ys = torch.cat([pos, mids, pos[1:] * 1.001, pos[1:] * 0.999, torch.tensor([FMAX[fmt] * 1.5, 1e30, 0.0])])
+    ys = torch.cat([ys, -ys])
+    n = -(-ys.numel() // (HKV * D))
+    ys = torch.cat([ys, torch.zeros(n * HKV * D - ys.numel())])
+    s = torch.tensor([[1.0, 0.37]])
+    x = (ys.reshape(n, HKV, D) * s[0, :, None]).float()
+    slots = torch.arange(n)
+    want = (x / s[0, :, None]).clamp(-FMAX[fmt], FMAX[fmt]).to(fp8).view(torch.uint8)
+    ref = KVPool(1, HKV, D, n, torch.float32, cache_dtype=fmt, kv_scales=(s, s))
+    ref.layer_kv(0)[0].write(slots, x)
+    assert torch.equal(ref.k_cache[0].view(torch.uint8), want)
+    builds = native_and_portable()
+    if not builds:
+        pytest.skip("no C compiler")
+    for kern in builds[torch.float32]:
+        pool = KVPool(1, HKV, D, n, torch.float32, cache_dtype=fmt, kv_scales=(s, s))
+        kern.kv_write_q8(pool.layer_kv(0)[0], x, slots)
+        assert torch.equal(pool.k_cache[0].view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_read_kernel_equals_torch_dequant(fmt, dtype):
+    """kv_read_q8 (native and portable builds: the AVX-512 VBMI register decode and the scalar table),
+    gathered and sliced, gives QuantizedKV's PyTorch dequantisation bit for bit (lut * scale in float32,
+    rounded once)."""
+    from kernel_builds import native_and_portable
+
+    builds = native_and_portable()
+    if not builds:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(8)
+    pool = make_pool(fmt, 1, 3, 64, 300, dtype, seed=2)
+    k, _ = pool.layer_kv(0)
+    k.write(torch.arange(300), torch.randn(300, 3, 64, generator=g) * 5)
+    k.data.view(torch.uint8)[7] = torch.arange(192, dtype=torch.uint8).reshape(3, 64)  # every code in a row
+    k.data.view(torch.uint8)[8] = torch.arange(64, 256, dtype=torch.uint8).reshape(3, 64)
+    if fmt == "int8":  # -128 is never stored (writes clamp to +-127)
+        k.data.view(torch.uint8)[7:9][k.data.view(torch.uint8)[7:9] == 128] = 129
+    else:
+        k.data.view(torch.uint8)[7:9] &= 0xF7  # NaN codes aside (never stored: writes saturate)
+    idx = torch.randperm(300, generator=g)[:77]
+    idx[:2] = torch.tensor([7, 8])
+    want = k._dequant(k._bits.index_select(0, idx), k.scale.index_select(0, idx))
+    want_slice = k._dequant(k._bits[5:205], k.scale[5:205])
+    for kern in builds[dtype]:
+        assert torch.equal(kern.kv_read_q8(k, idx), want)
+        assert torch.equal(kern.kv_read_q8(k, None, 5, 200), want_slice)
+    assert torch.equal(k.index_select(0, idx), want) and torch.equal(k[5:205], want_slice)
+    with pytest.raises(ValueError, match="out of range"):
+        builds[dtype][0].kv_read_q8(k, torch.tensor([300]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attn_q8_builds(fmt, dtype):
+    """decode_attn_q8 with per-head (fp8) and per-slot (int8) scales: the AVX2 build (-mno-avx512bf16)
+    gives the portable scalar build's bits (output and log-sum-exp) for requests of 0, 1, 7, 8, 9 and 300
+    keys on scattered slots; the native build (on an AVX-512 VBMI + BF16 CPU the VDPBF16PS kernel, another
+    q.k order by design) and both others meet float64 attention over the dequantised K/V."""
+    from kernel_builds import native_and_portable, native_without_avx512_bf16
+
+    builds = native_and_portable()
+    if not builds:
+        pytest.skip("no C compiler")
+    native, portable = builds[dtype]
+    avx2 = native_without_avx512_bf16()[dtype]
+    Hq, Hkv, Dd = 9, 3, 64
+    g = torch.Generator().manual_seed(5)
+    pool = make_pool(fmt, 1, Hkv, Dd, 1000, dtype, seed=6)
+    k, v = pool.layer_kv(0)
+    k.write(torch.arange(1000), torch.randn(1000, Hkv, Dd, generator=g) * 4)
+    v.write(torch.arange(1000), torch.randn(1000, Hkv, Dd, generator=g))
+    lens = [0, 1, 7, 8, 9, 300]
+    q = (torch.randn(len(lens), Hq, Dd, generator=g) * 2).to(dtype)
+    slots = torch.cat([torch.randperm(1000, generator=g)[:n] for n in lens])
+    offsets = torch.tensor([0] + lens).cumsum(0)
+    rows = torch.arange(len(lens))
+    outs = []
+    for kern in (avx2, portable, native):
+        out, lse = torch.full((len(lens), Hq, Dd), 7.0), torch.full((len(lens), Hq), 7.0)
+        kern.decode_attn_q8(q, rows, k, v, slots, offsets, Dd ** -0.5, out, rows, lse)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    kd = k.data.float().double() * k.scale.double()[..., None]
+    vd = v.data.float().double() * v.scale.double()[..., None]
+    for b, n in enumerate(lens):
+        for out, lse in outs:
+            if n == 0:
+                assert torch.all(out[b] == 0) and torch.all(lse[b] == -float("inf"))
+                continue
+            sl = slots[offsets[b]:offsets[b + 1]]
+            kk, vv = kd[sl].repeat_interleave(Hq // Hkv, 1), vd[sl].repeat_interleave(Hq // Hkv, 1)
+            sc = torch.einsum("hd,lhd->hl", q[b].double(), kk) * Dd ** -0.5
+            ref = torch.einsum("hl,lhd->hd", sc.softmax(-1), vv)
+            assert (out[b].double() - ref).abs().max() < 2e-5
+            assert (lse[b].double() - sc.logsumexp(-1)).abs().max() < 2e-5
+
+
+# ---- calibration, the scale file, the runner and the engine over an fp8 cache ----
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("kvq"), seed=3)
+
+
+def _runner(path, kv="auto", **kw):
+    from conftest import TEST_THREADS
+    from idleless.config import EngineConfig
+    from idleless.model.runner import ModelRunner
+
+    cfg = dict(model=path, dtype="float32", kv_cache_memory="2MiB", num_threads=TEST_THREADS, kv_cache_dtype=kv)
+    cfg.update(kw)
+    return ModelRunner(EngineConfig(**cfg))
+
+
+def test_calibrated_scales_are_the_brute_force_amax(tiny):
+    """The runner's fp8 scales = amax * 4 / fmax per (layer, K or V, KV head), amax taken here by hand
+    over every token and dimension of the K/V a plain runner writes for the gate's text (read back from
+    its float32 pool, one token at a time); the pool holds exactly twice bf16's tokens for the same
+    memory; the accuracy gate runs and reports its KL."""
+    from idleless.quant.accuracy import CHUNK, forward_range, text_token_ids
+
+    plain = _runner(tiny)
+    ids = text_token_ids(tiny, plain.model_config.vocab_size)
+    slots = plain.pool.alloc(0, 0, len(ids))
+    for a in range(0, len(ids), CHUNK):
+        forward_range(plain, ids[a:a + CHUNK], slots, a, torch.tensor([0]))
+    L, Hkv = plain.pool.k_cache.shape[0], plain.pool.k_cache.shape[2]
+    amax = {"k": torch.zeros(L, Hkv, dtype=torch.float64), "v": torch.zeros(L, Hkv, dtype=torch.float64)}
+    for name, cache in (("k", plain.pool.k_cache), ("v", plain.pool.v_cache)):
+        for layer in range(L):
+            for h in range(Hkv):
+                for s in slots.tolist():
+                    amax[name][layer, h] = max(float(amax[name][layer, h]), float(cache[layer, s, h].abs().max()))
+    for fmt in FP8_DTYPE:
+        r = _runner(tiny, fmt)
+        for name, got in (("k", r.pool.k_head_scale), ("v", r.pool.v_head_scale)):
+            want = (amax[name] * 4 / FMAX[fmt]).float()
+            assert torch.allclose(got, want, rtol=1e-6, atol=0), (fmt, name)
+        assert r.precision["gate"] == "passed" and r.precision["kl"] is not None and r.precision["kl"] < 0.01
+        assert r.pool.k_scale is not None and r.pool.k_scale.stride(1) == 0
+        bf16 = _runner(tiny, "bf16", skip_quantization_gate=True)
+        assert r.pool.num_slots in (2 * bf16.pool.num_slots, 2 * bf16.pool.num_slots + 1)
+        assert r.precision["kv_bytes_per_token"] * 2 == bf16.precision["kv_bytes_per_token"]
+
+
+def test_scale_file_round_trip_and_refusals(tiny, tmp_path):
+    """--quantization-param-path: the per-head file the runner writes loads back exactly and gives the
+    same pool; vLLM's per-layer form applies one scale to K, V and every head; a file missing a layer or
+    a head, with a bad value, for another format, or given to int8 is refused with a message naming it."""
+    ref = _runner(tiny, "fp8_e4m3", skip_quantization_gate=True)
+    path = str(tmp_path / "kv.json")
+    kv_scales.save_scale_file(path, ref.pool.k_head_scale, ref.pool.v_head_scale, "fp8_e4m3")
+    r = _runner(tiny, "fp8_e4m3", skip_quantization_gate=True, quantization_param_path=path)
+    assert torch.equal(r.pool.k_head_scale, ref.pool.k_head_scale)
+    assert torch.equal(r.pool.v_head_scale, ref.pool.v_head_scale)
+    L, Hkv = ref.pool.k_head_scale.shape
+    doc = json.load(open(path))
+    layers = doc["kv_cache"]["scaling_factor"]["0"]
+
+    def refused(mutate, match, fmt="fp8_e4m3"):
+        d = json.loads(json.dumps(doc))
+        mutate(d["kv_cache"], d["kv_cache"]["scaling_factor"]["0"])
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(d))
+        with pytest.raises(kv_scales.KVScaleError, match=match):
+            kv_scales.load_scale_file(str(bad), L, Hkv, fmt)
+        with pytest.raises(ValueError, match=match):
+            _runner(tiny, fmt, skip_quantization_gate=True, quantization_param_path=str(bad))
+
+    refused(lambda kv, ls: ls.pop(str(L - 1)), f"layer {L - 1} is missing")
+    refused(lambda kv, ls: ls["0"]["v"].pop(), "one scale per KV head")
+    refused(lambda kv, ls: ls["0"].pop("k"), "one scale per KV head")
+    refused(lambda kv, ls: ls["0"]["k"].__setitem__(0, 0.0), "positive finite")
+    refused(lambda kv, ls: ls.__setitem__(str(L), 0.1), "not layers")
+    refused(lambda kv, ls: kv.__setitem__("dtype", "float8_e5m2"), "the KV cache is fp8_e4m3")
+    with pytest.raises(kv_scales.KVScaleError, match="cannot read"):
+        kv_scales.load_scale_file(str(tmp_path / "none.json"), L, Hkv, "fp8_e4m3")
+    # vLLM's and SGLang's per-layer form
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"kv_cache": {"dtype": "float8_e4m3fn",
+                                             "scaling_factor": {"0": {str(i): 0.01 * (i + 1) for i in range(L)}}}}))
+    k, v = kv_scales.load_scale_file(str(flat), L, Hkv, "fp8_e4m3")
+    assert torch.equal(k, v) and torch.equal(k[:, 0], torch.tensor([0.01 * (i + 1) for i in range(L)]))
+    assert torch.equal(k, k[:, :1].expand(L, Hkv))
+    with pytest.raises(ValueError, match="int8 scales are per token"):
+        _runner(tiny, "int8", skip_quantization_gate=True, quantization_param_path=str(flat))
+
+
+def _engine_outputs(path, **kw):
+    from conftest import TEST_THREADS
+    from idleless.config import EngineConfig
+    from idleless.engine.core import EngineCore
+    from idleless.engine.request import Request, SamplingParams
+
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(3, 256, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 256, (5 + 3 * i,), generator=g).tolist() for i in range(6)]
+    cfg = dict(model=path, dtype="float32", kv_cache_memory="4MiB", num_threads=TEST_THREADS,
+               kv_cache_dtype="fp8_e4m3", skip_quantization_gate=True)
+    cfg.update(kw)
+    core = EngineCore(EngineConfig(**cfg))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    cached = {}
+    # two waves: the second repeats the first's prompts (radix hits on fp8 pages written by the first)
+    for wave in range(2):
+        for i, p in enumerate(prompts):
+            core.add_request(Request(f"w{wave}r{i}", p, SamplingParams(temperature=0, max_new_tokens=24,
+                                                                         ignore_eos=True)))
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(o.rid, []).extend(o.new_token_ids)
+                cached[o.rid] = o.cached_tokens
+    return {k: v for k, v in out.items() if v}, cached, core
+
+
+def test_engine_fp8_radix_chunked_retraction_match_a_cold_run(tiny):
+    """Greedy outputs over an fp8 KV cache (calibrated scales) are the same with the radix cache off (every
+    token computed cold), on (the second wave reads the first wave's fp8 pages), with chunked prefill of 16
+    tokens, and in a pool small enough to retract requests; deterministic inference gives them too."""
+    from idleless.cache.kv_pool import KVPool as _Pool
+
+    cold, _, _ = _engine_outputs(tiny, disable_radix_cache=True)
+    warm, cached, _ = _engine_outputs(tiny)
+    assert sum(cached[f"w1r{i}"] for i in range(6)) > 6 * 70  # the second wave hit the tree
+    chunked, _, _ = _engine_outputs(tiny, chunked_prefill_size=16)
+    per_token = _Pool.bytes_per_token(2, 2, 16, torch.float32, "fp8_e4m3")
+    small, _, core = _engine_outputs(tiny, kv_cache_memory=str(260 * per_token), disable_radix_cache=True)
+    assert core.scheduler.stats.num_retractions > 0
+    det, _, _ = _engine_outputs(tiny, enable_deterministic_inference=True, disable_radix_cache=True)
+    det_warm, _, _ = _engine_outputs(tiny, enable_deterministic_inference=True)
+    for name, got in (("radix", warm), ("chunked", chunked), ("retraction", small)):
+        assert got == cold, name
+    assert det == det_warm

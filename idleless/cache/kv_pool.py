@@ -1,5 +1,6 @@
 """KV memory: a fixed pool of token slots with per-layer K/V tensors, in the model dtype, bfloat16, or a
-quantised format (int8 / fp8 with a scale per token and KV head: ``--kv-cache-dtype``).
+quantised format (``--kv-cache-dtype``): int8 with a scale per token and KV head, or fp8 (e4m3 / e5m2) with
+a static scale per layer, K or V, and KV head (``idleless.quant.kv``, ``idleless.quant.kv_scales``).
 
 Every slot is owned by exactly one of: the free list, a running request, the radix tree.
 Slots are handed out in pages of ``page_size`` consecutive slots; a request's slot table fills
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from idleless.quant.kv import KV_STORAGE, QuantizedKV
+from idleless.quant.kv import KV_STORAGE, STATIC_SCALE_FORMATS, QuantizedKV
 
 
 def _storage(dtype: torch.dtype, cache_dtype: str | None) -> tuple[torch.dtype, bool]:
@@ -24,21 +25,47 @@ def _storage(dtype: torch.dtype, cache_dtype: str | None) -> tuple[torch.dtype, 
     raise ValueError(f"kv cache dtype must be auto, bf16, {', '.join(KV_STORAGE)}, got {cache_dtype!r}")
 
 
+def _check_scales(kv_scales, num_layers: int, num_kv_heads: int, cache_dtype: str, device) -> tuple:
+    """kv_scales (k, v) -> two float32 [num_layers, num_kv_heads] tensors on ``device``; ValueError when
+    missing, of another shape, or not positive and finite."""
+    if kv_scales is None:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype} needs static K/V scales per layer and KV head (the "
+                         "calibration pass or --quantization-param-path, idleless.quant.kv_scales); no default "
+                         "scale exists")
+    out = []
+    for name, t in zip(("k", "v"), kv_scales):
+        t = torch.as_tensor(t, dtype=torch.float32).to(device)
+        if t.shape != (num_layers, num_kv_heads):
+            raise ValueError(f"{name} scales must be [{num_layers}, {num_kv_heads}] (layers, KV heads), got "
+                             f"{tuple(t.shape)}")
+        if not bool((torch.isfinite(t) & (t > 0)).all()):
+            raise ValueError(f"{name} scales must be positive and finite, got {t.tolist()}")
+        out.append(t.contiguous())
+    return tuple(out)
+
+
 class KVPool:
     """K/V tensors ``[num_layers, num_slots, num_kv_heads, head_dim]`` and a page allocator.
 
     dtype: the model's (what attention computes in). cache_dtype: ``--kv-cache-dtype``: None / ``auto``
-    (K/V stored in ``dtype``), ``bf16``, or a quantised format (``int8``, ``fp8_e4m3``, ``fp8_e5m2``:
-    values in int8 / float8 plus ``k_scale`` / ``v_scale`` float32 [num_layers, num_slots, num_kv_heads],
-    one scale per token and KV head, see ``idleless.quant.kv``). ``self.dtype`` is the stored element
-    dtype, ``self.quantized`` says whether scales come with it; read a layer through ``layer_kv``.
+    (K/V stored in ``dtype``), ``bf16``, or a quantised format (values in int8 / float8, see
+    ``idleless.quant.kv``): ``int8`` with ``k_scale`` / ``v_scale`` float32 [num_layers, num_slots,
+    num_kv_heads], one scale per token and KV head written with the row; ``fp8_e4m3`` / ``fp8_e5m2`` with
+    static scales ``kv_scales`` = (k, v), each float32 [num_layers, num_kv_heads] (positive, finite: the
+    calibration pass's or a scale file's, ``idleless.quant.kv_scales``), kept as ``k_head_scale`` /
+    ``v_head_scale``; ``k_scale`` / ``v_scale`` are then their stride-0 views [num_layers, num_slots,
+    num_kv_heads] (read only: no memory per slot). ``self.dtype`` is the stored element dtype,
+    ``self.quantized`` says whether it is an 8-bit format read through ``QuantizedKV``,
+    ``self.static_scales`` whether its scales are per head; read a layer through ``layer_kv``.
     num_slots is rounded down to a multiple of page_size. Slot indices are int64 tensors.
-    Raises ValueError if the pool would hold less than one page or for an unknown cache_dtype.
+    Raises ValueError if the pool would hold less than one page, for an unknown cache_dtype, for an fp8
+    format without kv_scales (no default scale exists), for kv_scales of another shape or not positive
+    and finite, and for kv_scales given to a format without static scales.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", page_size: int = 1,
-                 cache_dtype: str | None = None):
+                 cache_dtype: str | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         if self.num_pages < 1:
@@ -46,12 +73,23 @@ class KVPool:
         self.num_slots = self.num_pages * page_size
         self.compute_dtype = dtype
         self.dtype, self.quantized = _storage(dtype, cache_dtype)
+        self.static_scales = cache_dtype in STATIC_SCALE_FORMATS
         self.device = torch.device(device)
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
+        self.k_head_scale = self.v_head_scale = None
+        if self.static_scales:
+            self.k_head_scale, self.v_head_scale = _check_scales(kv_scales, num_layers, num_kv_heads, cache_dtype,
+                                                                 self.device)
+        elif kv_scales is not None:
+            raise ValueError(f"kv cache dtype {cache_dtype or 'auto'} takes no static scales (only "
+                             f"{', '.join(STATIC_SCALE_FORMATS)} do)")
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_scale = self.v_scale = None
-        if self.quantized:
+        if self.static_scales:
+            self.k_scale = self.k_head_scale[:, None, :].expand(shape[:3])
+            self.v_scale = self.v_head_scale[:, None, :].expand(shape[:3])
+        elif self.quantized:
             self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
             self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
@@ -63,10 +101,12 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                         cache_dtype: str | None = None) -> int:
-        """Bytes of K and V for one token across all layers, scales included (a quantised format adds
-        a float32 per KV head to each of K and V). dtype, cache_dtype: as the constructor's."""
+        """Bytes of K and V for one token across all layers, scales included: int8 adds a float32 per
+        KV head to each of K and V; fp8's per-head scales are per layer, not per token, so an fp8 token
+        takes exactly half a bfloat16 one. dtype, cache_dtype: as the constructor's."""
         store, quantized = _storage(dtype, cache_dtype)
-        per_head = head_dim * torch.empty((), dtype=store).element_size() + (4 if quantized else 0)
+        per_token_scale = quantized and cache_dtype not in STATIC_SCALE_FORMATS
+        per_head = head_dim * torch.empty((), dtype=store).element_size() + (4 if per_token_scale else 0)
         return 2 * num_layers * num_kv_heads * per_head
 
     def layer_kv(self, layer: int) -> tuple:

@@ -349,7 +349,7 @@ static inline float dec_one(const void *cache, int64_t at, const float *lut, int
 #define DEFINE_DECODE_AVX2(SUF, T, BF16)                                                                \
 static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(                               \
         const T *q, int64_t q_stride, const int64_t *qrow, const void *k_cache, const void *v_cache,    \
-        const float *k_scale, const float *v_scale, const float *lut, const int64_t *slots,             \
+        const float *k_scale, const float *v_scale, int64_t ss, const float *lut, const int64_t *slots, \
         const int64_t *off, int64_t nb, int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f,  \
         T *out_t, float *lse, const int64_t *orow) {                                                    \
     int64_t grp = nh / nkv, max_len = 0, total = 0;                                                     \
@@ -378,7 +378,7 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
         int64_t j = 0;                                                                                  \
         for (; j + 8 <= len; j += 8) {                                                                  \
             float kf8[8];                                                                               \
-            for (int r = 0; r < 8; r++) kf8[r] = k_scale ? k_scale[sl[j + r] * nkv + kh] * scale : scale; \
+            for (int r = 0; r < 8; r++) kf8[r] = k_scale ? k_scale[sl[j + r] * ss + kh] * scale : scale; \
             for (int r = 0; r < 8; r++) { /* the next 8 keys' K rows and these 8 keys' V rows, into cache */ \
                 if (j + 8 + r < len) dec_prefetch(k_cache, (sl[j + 8 + r] * nkv + kh) * d, esz, d * esz); \
                 dec_prefetch(v_cache, (sl[j + r] * nkv + kh) * d, esz, d * esz);                        \
@@ -421,7 +421,7 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
             float kf[d];                                                                                \
             int64_t at = (sl[j] * nkv + kh) * d;                                                        \
             for (int64_t i = 0; i < d; i++) kf[i] = dec_one(k_cache, at + i, lut, BF16);                \
-            float ks = k_scale ? k_scale[sl[j] * nkv + kh] * scale : scale;                             \
+            float ks = k_scale ? k_scale[sl[j] * ss + kh] * scale : scale;                              \
             for (int64_t g = 0; g < grp; g++) {                                                         \
                 float p[16] = {0};                                                                      \
                 for (int64_t i = 0; i < d; i += 16)                                                     \
@@ -448,9 +448,9 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
             sum[g] = tot;                                                                               \
         }                                                                                               \
         /* p.v: for 8 dims and up to 4 query heads at a time, the keys in order into registers */       \
-        if (v_scale)                                                                                    \
+        if (v_scale && ss) /* per-slot V scales: in each key's weight; per-head (ss 0): in the output */ \
             for (int64_t g = 0; g < grp; g++)                                                           \
-                for (j = 0; j < len; j++) sc[g * len + j] *= v_scale[sl[j] * nkv + kh];                 \
+                for (j = 0; j < len; j++) sc[g * len + j] *= v_scale[sl[j] * ss + kh];                  \
         for (int64_t c = 0; c < d; c += 16)                                                             \
             for (int64_t g0 = 0; g0 < grp; g0 += 3) {                                                   \
                 int64_t ng = grp - g0 < 3 ? grp - g0 : 3;                                               \
@@ -469,6 +469,9 @@ static inline __attribute__((always_inline)) int decode_avx2_core_##SUF(        
                 if (ng > 1) { _mm256_storeu_ps(acc[g0 + 1] + c, a1); _mm256_storeu_ps(acc[g0 + 1] + c + 8, b1); } \
                 if (ng > 2) { _mm256_storeu_ps(acc[g0 + 2] + c, a2); _mm256_storeu_ps(acc[g0 + 2] + c + 8, b2); } \
             }                                                                                           \
+        if (v_scale && !ss)                                                                             \
+            for (int64_t g = 0; g < grp; g++)                                                           \
+                for (int64_t i = 0; i < d; i++) acc[g][i] *= v_scale[kh];                               \
         dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);          \
     }                                                                                                   \
     }                                                                                                   \
@@ -479,15 +482,15 @@ static int decode_attn_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *q
                                   const T *v_cache, const int64_t *slots, const int64_t *off, int64_t nb, \
                                   int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, \
                                   float *lse, const int64_t *orow) {                                    \
-    return decode_avx2_core_##SUF(q, q_stride, qrow, k_cache, v_cache, NULL, NULL, NULL, slots, off, nb, nh, \
+    return decode_avx2_core_##SUF(q, q_stride, qrow, k_cache, v_cache, NULL, NULL, 0, NULL, slots, off, nb, nh, \
                                   nkv, d, scale, out_f, out_t, lse, orow);                              \
 }                                                                                                       \
 static int decode_attn_q8_avx2_##SUF(const T *q, int64_t q_stride, const int64_t *qrow,                 \
                                      const uint8_t *k_cache, const uint8_t *v_cache, const float *k_scale, \
-                                     const float *v_scale, const float *lut, const int64_t *slots,      \
+                                     const float *v_scale, int64_t ss, const float *lut, const int64_t *slots, \
                                      const int64_t *off, int64_t nb, int64_t nh, int64_t nkv, int64_t d, \
                                      float scale, float *out_f, T *out_t, float *lse, const int64_t *orow) { \
-    return decode_avx2_core_##SUF(q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, lut, slots, off, nb, \
+    return decode_avx2_core_##SUF(q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, ss, lut, slots, off, nb, \
                                   nh, nkv, d, scale, out_f, out_t, lse, orow);                          \
 }
 DEFINE_DECODE_AVX2(f32, float, 0)
@@ -1893,18 +1896,174 @@ DEFINE_QUANT_KERNELS(bf16, uint16_t)
 
 /* ---- Decode attention over a quantised KV cache (issue 14) -------------------------------------------
  * decode_attn's contract with K/V stored as one byte per element (int8 or fp8, decoded by lut[256] into
- * float32) and a float32 scale per (slot, kv head): key j of kv head h is lut[k_bytes] * k_scale[slot, h].
- * The scale multiplies the dot product (q . k = s_k (q . lut[kb])) and the probability (p v = (p s_v)
- * lut[vb]), so each element costs one table read. No dequantised copy: rows are decoded into a
- * head_dim buffer as they are read. Softmax in float32, two passes, as decode_attn. */
+ * float32) and float32 scales: key j of kv head h is lut[k_bytes] * k_scale[slot * ss + h], where ss is
+ * the scale's stride over slots: nkv for a scale per (slot, head) (int8's dynamic per-token scales), 0
+ * for one scale per head (fp8's static, calibrated scales). The K scale multiplies the dot product
+ * (q . k = s_k (q . lut[kb])), folded into the softmax factor; V's multiplies each key's probability with
+ * per-slot scales (p v = (p s_v) lut[vb]) and the head's output once with per-head scales (sum_j p_j s_v
+ * lut[vb_j] = s_v sum_j p_j lut[vb_j]), so a per-head cache costs one table read per element and nothing
+ * per key beyond a bfloat16 cache. No dequantised copy: rows are decoded as they are read. Softmax in
+ * float32, two passes, as decode_attn. The AVX2 path (decode_avx2_core) gives these loops' bits; on an
+ * AVX-512 VBMI + BF16 CPU a bfloat16 model runs decode_attn_q8_avx512 (another q.k order, by design). */
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+/* The 8-bit codes -> bfloat16 in registers: every value of the three formats is exact in bfloat16 (int8:
+ * integers up to 127; e4m3 / e5m2: 3 / 2 mantissa bits, exponents within bfloat16's), so the table holds
+ * the low and high bytes of bf16(lut[c]) for the magnitudes c = 0..127 (two 64-byte halves each, looked up
+ * by VPERMI2B on the code's 7 low bits), the sign is the code's bit 7 (fp8 is sign-magnitude; an int8
+ * code is looked up by its absolute value, -128 never being stored), and VPERMT2B interleaves low and high
+ * bytes into words in element order. */
+typedef struct { __m512i lo0, lo1, hi0, hi1, ia, ib; int is_int8; } Q8Tabs;
+static inline Q8Tabs q8_tabs(const float *lut, int is_int8) {
+    uint8_t lo[128], hi[128], ia[64], ib[64];
+    for (int c = 0; c < 128; c++) {
+        uint16_t h = f32_to_bf16(lut[c]);
+        lo[c] = (uint8_t)(h & 0xff);
+        hi[c] = (uint8_t)(h >> 8);
+    }
+    for (int k = 0; k < 32; k++) {
+        ia[2 * k] = (uint8_t)k; ia[2 * k + 1] = (uint8_t)(64 + k);
+        ib[2 * k] = (uint8_t)(32 + k); ib[2 * k + 1] = (uint8_t)(96 + k);
+    }
+    Q8Tabs t;
+    t.lo0 = _mm512_loadu_si512(lo); t.lo1 = _mm512_loadu_si512(lo + 64);
+    t.hi0 = _mm512_loadu_si512(hi); t.hi1 = _mm512_loadu_si512(hi + 64);
+    t.ia = _mm512_loadu_si512(ia); t.ib = _mm512_loadu_si512(ib);
+    t.is_int8 = is_int8;
+    return t;
+}
+/* 64 codes at p -> bfloat16 of elements 0..31 (*a) and 32..63 (*b) */
+static inline __attribute__((always_inline)) void q8_to_bf16_64(const Q8Tabs *t, const uint8_t *p, __m512i *a,
+                                                                __m512i *b) {
+    __m512i x = _mm512_loadu_si512(p);
+    __m512i m = t->is_int8 ? _mm512_abs_epi8(x) : x;
+    __m512i lo = _mm512_permutex2var_epi8(t->lo0, m, t->lo1);
+    __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t->hi0, m, t->hi1),
+                                 _mm512_and_si512(x, _mm512_set1_epi8((char)0x80)));
+    *a = _mm512_permutex2var_epi8(lo, t->ia, hi);
+    *b = _mm512_permutex2var_epi8(lo, t->ib, hi);
+}
+static inline __m512 q8_bf16_lo_ps(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+}
+static inline __m512 q8_bf16_hi_ps(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+}
+/* decode_attn_q8 for bfloat16 with d a multiple of 64 (up to 256) and up to 16 query heads per KV head:
+ * decode_attn_bf16_avx512's loops (q.k by VDPBF16PS, p.v in float32 FMAs) over K/V rows decoded by
+ * q8_to_bf16_64; the scales as the scalar kernel applies them. Returns 0 (the other paths run) outside
+ * that shape or without memory. */
+static int decode_attn_q8_avx512(const uint16_t *q, int64_t q_stride, const int64_t *qrow, const uint8_t *k_cache,
+                                 const uint8_t *v_cache, const float *k_scale, const float *v_scale, int64_t ss,
+                                 const float *lut, const int64_t *slots, const int64_t *off, int64_t nb,
+                                 int64_t nh, int64_t nkv, int64_t d, float scale, float *out_f, uint16_t *out_t,
+                                 float *lse, const int64_t *orow) {
+    int64_t grp = nh / nkv, nv = d / 32, max_len = 0, total = 0;
+    if (d % 64 || d > 256 || grp > 16 || grp < 1) return 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t len = off[b + 1] - off[b];
+        if (len > max_len) max_len = len;
+        total += len;
+    }
+    int64_t per = grp * (max_len > 0 ? max_len : 1);
+    float *sc_all = (float *)malloc(sizeof(float) * (size_t)(per * MAX_THREADS()));
+    if (!sc_all) return 0;
+    /* an int8 table holds the codes 0..127; fp8 codes 128..255 are 0..127 negated */
+    const int is_int8 = lut[255] == -1.0f && lut[1] == 1.0f;
+    const Q8Tabs tabs = q8_tabs(lut, is_int8);
+#pragma omp parallel if (total * nh * d >= PAR_MIN_WORK)
+    {
+    float *sc = sc_all + per * THREAD_ID();
+    __m512bh qv[16][8];
+    __m512 acc[16][16];
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t len = off[b + 1] - off[b];
+        const int64_t *sl = slots + off[b];
+        for (int64_t kh = 0; kh < nkv; kh++) {
+            float mx[16], sum[16];
+            const float kf_head = k_scale ? k_scale[kh] * scale : scale; /* per-head (ss 0) K factor */
+            for (int64_t g = 0; g < grp; g++) {
+                const uint16_t *qr = q + qrow[b] * q_stride + (kh * grp + g) * d;
+                for (int64_t v = 0; v < nv; v++) qv[g][v] = (__m512bh)_mm512_loadu_si512(qr + 32 * v);
+                mx[g] = -INFINITY;
+            }
+            for (int64_t j = 0; j < len; j++) {
+                const uint8_t *kr = k_cache + (sl[j] * nkv + kh) * d;
+                if (j + 6 < len) {
+                    const char *kn = (const char *)(k_cache + (sl[j + 6] * nkv + kh) * d);
+                    for (int64_t c = 0; c < d; c += 64) _mm_prefetch(kn + c, _MM_HINT_T0);
+                }
+                const char *vn = (const char *)(v_cache + (sl[j] * nkv + kh) * d);
+                for (int64_t c = 0; c < d; c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+                __m512i kw[8];
+                for (int64_t v = 0; v < nv; v += 2) q8_to_bf16_64(&tabs, kr + 32 * v, &kw[v], &kw[v + 1]);
+                float kf = ss && k_scale ? k_scale[sl[j] * ss + kh] * scale : kf_head;
+                for (int64_t g = 0; g < grp; g++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t v = 0; v < nv; v++) a = _mm512_dpbf16_ps(a, qv[g][v], (__m512bh)kw[v]);
+                    float s = _mm512_reduce_add_ps(a) * kf;
+                    sc[g * len + j] = s;
+                    if (s > mx[g]) mx[g] = s;
+                }
+            }
+            for (int64_t g = 0; g < grp; g++) {
+                sum[g] = 0.f;
+                for (int64_t j = 0; j < len; j++) {
+                    float e = fast_expf(sc[g * len + j] - mx[g]);
+                    sc[g * len + j] = e;
+                    sum[g] += e;
+                }
+                for (int64_t v = 0; v < 2 * nv; v++) acc[g][v] = _mm512_setzero_ps();
+            }
+            for (int64_t j = 0; j < len; j++) {
+                const uint8_t *vr = v_cache + (sl[j] * nkv + kh) * d;
+                __m512 vf[16];
+                for (int64_t v = 0; v < nv; v += 2) {
+                    __m512i wa, wb;
+                    q8_to_bf16_64(&tabs, vr + 32 * v, &wa, &wb);
+                    vf[2 * v] = q8_bf16_lo_ps(wa); vf[2 * v + 1] = q8_bf16_hi_ps(wa);
+                    vf[2 * v + 2] = q8_bf16_lo_ps(wb); vf[2 * v + 3] = q8_bf16_hi_ps(wb);
+                }
+                float vs = v_scale && ss ? v_scale[sl[j] * ss + kh] : 1.f;
+                for (int64_t g = 0; g < grp; g++) {
+                    __m512 pj = _mm512_set1_ps(v_scale && ss ? sc[g * len + j] * vs : sc[g * len + j]);
+                    for (int64_t v = 0; v < 2 * nv; v++) acc[g][v] = _mm512_fmadd_ps(pj, vf[v], acc[g][v]);
+                }
+            }
+            for (int64_t g = 0; g < grp; g++) {
+                int64_t hd = kh * grp + g;
+                float inv = len > 0 ? 1.0f / sum[g] : 0.f;
+                float o[256];
+                __m512 head = _mm512_set1_ps(v_scale && !ss ? v_scale[kh] : 1.f);
+                for (int64_t v = 0; v < 2 * nv; v++)
+                    _mm512_storeu_ps(o + 16 * v, _mm512_mul_ps(_mm512_mul_ps(acc[g][v], head), _mm512_set1_ps(inv)));
+                for (int64_t i = 0; i < d; i++) {
+                    if (out_f) out_f[(orow[b] * nh + hd) * d + i] = o[i];
+                    else out_t[(orow[b] * nh + hd) * d + i] = f32_to_bf16(o[i]);
+                }
+                if (lse) lse[orow[b] * nh + hd] = len > 0 ? mx[g] + logf(sum[g]) : -INFINITY;
+            }
+        }
+    }
+    }
+    free(sc_all);
+    return 1;
+}
+#define FAST_DECODE_Q8_512_bf16(...) if (decode_attn_q8_avx512(__VA_ARGS__)) return;
+#else
+#define FAST_DECODE_Q8_512_bf16(...)
+#endif
+#define FAST_DECODE_Q8_512_f32(...)
 #define DEFINE_DECODE_Q8(SUF, T)                                                                               \
 void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, const uint8_t *k_cache,           \
-                          const uint8_t *v_cache, const float *k_scale, const float *v_scale,                  \
+                          const uint8_t *v_cache, const float *k_scale, const float *v_scale, int64_t ss,      \
                           const float *lut, const int64_t *slots, const int64_t *off, int64_t nb, int64_t nh,  \
                           int64_t nkv, int64_t d, float scale, float *out_f, T *out_t, float *lse,             \
                           const int64_t *orow) {                                                               \
-    FAST_DECODE_Q8(SUF, q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, lut, slots, off, nb, nh, nkv, d,     \
-                   scale, out_f, out_t, lse, orow)                                                             \
+    FAST_DECODE_Q8_512_##SUF(q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, ss, lut, slots, off, nb, nh, \
+                             nkv, d, scale, out_f, out_t, lse, orow)                                           \
+    FAST_DECODE_Q8(SUF, q, q_stride, qrow, k_cache, v_cache, k_scale, v_scale, ss, lut, slots, off, nb, nh, nkv, \
+                   d, scale, out_f, out_t, lse, orow)                                                          \
     int64_t grp = nh / nkv, max_len = 0, total = 0;                                                            \
     for (int64_t b = 0; b < nb; b++) {                                                                         \
         int64_t len = off[b + 1] - off[b];                                                                     \
@@ -1933,7 +2092,7 @@ void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, con
             for (int64_t j = 0; j < len; j++) {                                                                \
                 const uint8_t *kr = k_cache + (sl[j] * nkv + kh) * d;                                          \
                 for (int64_t i = 0; i < d; i++) kf[i] = lut[kr[i]];                                            \
-                float ks = k_scale[sl[j] * nkv + kh] * scale;                                                  \
+                float ks = k_scale[sl[j] * ss + kh] * scale;                                                   \
                 for (int64_t g = 0; g < grp; g++) {                                                            \
                     float p[16] = {0};                                                                         \
                     int64_t i = 0;                                                                             \
@@ -1959,13 +2118,15 @@ void decode_attn_q8_##SUF(const T *q, int64_t q_stride, const int64_t *qrow, con
             for (int64_t j = 0; j < len; j++) {                                                                \
                 const uint8_t *vr = v_cache + (sl[j] * nkv + kh) * d;                                          \
                 for (int64_t i = 0; i < d; i++) kf[i] = lut[vr[i]];                                            \
-                float vs = v_scale[sl[j] * nkv + kh];                                                          \
                 for (int64_t g = 0; g < grp; g++) {                                                            \
-                    float pj = sc[g * len + j] * vs;                                                           \
+                    float pj = ss ? sc[g * len + j] * v_scale[sl[j] * ss + kh] : sc[g * len + j];              \
                     for (int64_t i = 0; i < d; i++) acc[g][i] += pj * kf[i];                                   \
                 }                                                                                              \
             }                                                                                                  \
-            dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);      \
+            if (!ss)                                                                                           \
+                for (int64_t g = 0; g < grp; g++)                                                              \
+                    for (int64_t i = 0; i < d; i++) acc[g][i] *= v_scale[kh];                                  \
+            dec_out_##SUF(grp, d, &acc[0][0], mx, sum, len, kh, nh, orow[b], out_f, out_t, lse);               \
         }                                                                                                      \
     }                                                                                                          \
     }                                                                                                          \
@@ -1976,53 +2137,128 @@ DEFINE_DECODE_Q8(f32, float)
 DEFINE_DECODE_Q8(bf16, uint16_t)
 
 /* Write n rows into a quantised KV cache layer: for row r and kv head h, x = src[r][h] ([d], rows
- * src_stride apart), scale = max|x| / fmax, y = x / scale (x itself when scale is 0), stored at slot
- * slots[r] as one byte per element: int8 (is_int8: y rounded half to even, clamped to +-127) or an
- * fp8 code (y clamped to +-fmax, rounded to the nearest value of lut[0..127], the format's
- * non-negative codes in increasing order, ties to the even code, sign in bit 7). The same bytes as
- * idleless.quant.formats.quantize_rows (PyTorch's conversions round to nearest even). */
-static inline uint8_t fp8_code(float y, const float *lut, int64_t top) {
+ * src_stride apart) is stored at slot slots[r] as y = x / s, one byte per element: int8 (mbits 0: y
+ * rounded half to even, clamped to +-127) or fp8 with mbits mantissa bits and exponent bias `bias` (e4m3:
+ * 3, 7; e5m2: 2, 15: y clamped to +-fmax — saturation, the calibrated scale's headroom aside — and
+ * rounded to the nearest code, ties to even, sign in bit 7). dynamic: s = max|x| / fmax, written to
+ * scale[slots[r] * nkv + h] (the per-token scale; x itself is stored when s is 0); else s = scale[h], the
+ * per-head static scale, read only. The same bytes as idleless.quant.kv.QuantizedKV.write (PyTorch's
+ * conversions round to nearest even). */
+static inline uint8_t fp8_code(float y, int64_t mbits, int64_t bias, float min_normal, float sub_mul) {
     float a = fabsf(y);
-    int64_t lo = 0, hi = top; /* lut[lo] <= a < lut[hi] after the search (a <= lut[top] after the clamp) */
-    while (hi - lo > 1) {
-        int64_t mid = (lo + hi) / 2;
-        if (lut[mid] <= a) lo = mid; else hi = mid;
-    }
-    int64_t c = lo;
-    if (a >= lut[top]) c = top;
+    uint32_t u, c;
+    /* below the smallest normal 2^(1 - bias): a multiple of the subnormal step 2^(1 - bias - mbits), code
+     * a / step (sub_mul = 1 / step; 2^mbits, the rounding's top, is the first normal's code) */
+    if (a < min_normal) c = (uint32_t)rintf(a * sub_mul);
     else {
-        float dl = a - lut[lo], dh = lut[hi] - a;
-        c = dh < dl ? hi : (dl < dh ? lo : (lo % 2 == 0 ? lo : hi));
+        memcpy(&u, &a, 4);
+        int sh = 23 - (int)mbits;
+        u += (1u << (sh - 1)) - 1u + ((u >> sh) & 1u); /* round the mantissa to mbits bits, ties to even */
+        c = (u >> sh) - ((uint32_t)(127 - bias) << mbits);
     }
     return (uint8_t)c | (signbit(y) ? 0x80 : 0);
 }
 
 #define DEFINE_KV_WRITE_Q8(SUF, T)                                                                             \
-void kv_write_q8_##SUF(uint8_t *cache, float *scale_out, const T *src, int64_t src_stride, const int64_t *slots, \
-                       int64_t n, int64_t nkv, int64_t d, const float *lut, int64_t top, float fmax,           \
-                       int64_t is_int8) {                                                                      \
+void kv_write_q8_##SUF(uint8_t *cache, float *scale, const T *src, int64_t src_stride, const int64_t *slots,   \
+                       int64_t n, int64_t nkv, int64_t d, int64_t mbits, int64_t bias, float fmax,             \
+                       int64_t dynamic) {                                                                      \
+    const float min_normal = ldexpf(1.f, (int)(1 - bias)), sub_mul = ldexpf(1.f, (int)(bias - 1 + mbits));       \
     _Pragma("omp parallel for if (n * nkv * d >= PAR_MIN_WORK)")                                               \
     for (int64_t r = 0; r < n; r++)                                                                            \
         for (int64_t h = 0; h < nkv; h++) {                                                                    \
             const T *x = src + r * src_stride + h * d;                                                         \
             uint8_t *dst = cache + (slots[r] * nkv + h) * d;                                                   \
-            float amax = 0.f;                                                                                  \
-            for (int64_t i = 0; i < d; i++) {                                                                  \
-                float a = fabsf(LD_##SUF(x + i));                                                              \
-                amax = a > amax ? a : amax;                                                                    \
-            }                                                                                                  \
-            float s = amax / fmax, div = s != 0.f ? s : 1.f;                                                   \
-            scale_out[slots[r] * nkv + h] = s;                                                                 \
+            float s;                                                                                           \
+            if (dynamic) {                                                                                     \
+                float amax = 0.f;                                                                              \
+                for (int64_t i = 0; i < d; i++) {                                                              \
+                    float a = fabsf(LD_##SUF(x + i));                                                          \
+                    amax = a > amax ? a : amax;                                                                \
+                }                                                                                              \
+                s = amax / fmax;                                                                               \
+                scale[slots[r] * nkv + h] = s;                                                                 \
+            } else s = scale[h];                                                                               \
+            float div = s != 0.f ? s : 1.f;                                                                    \
             for (int64_t i = 0; i < d; i++) {                                                                  \
                 float y = LD_##SUF(x + i) / div;                                                               \
                 y = y > fmax ? fmax : (y < -fmax ? -fmax : y);                                                 \
-                dst[i] = is_int8 ? (uint8_t)(int8_t)rintf(y) : fp8_code(y, lut, top);                          \
+                dst[i] = mbits == 0 ? (uint8_t)(int8_t)rintf(y) : fp8_code(y, mbits, bias, min_normal, sub_mul); \
             }                                                                                                  \
         }                                                                                                      \
 }
 
 DEFINE_KV_WRITE_Q8(f32, float)
 DEFINE_KV_WRITE_Q8(bf16, uint16_t)
+
+/* Read rows of a quantised KV cache layer into the model dtype: out[r, h, i] = T(lut[code] * scale[slot *
+ * ss + h]) (the product in float32, rounded once), slot = slots[r] (or first + r with slots NULL), for r <
+ * n; the rows the PyTorch attention backends gather, with the bits of idleless.quant.kv.QuantizedKV's
+ * PyTorch path. On an AVX-512 VBMI CPU the codes are decoded by q8_to_bf16_64 (exact) 64 at a time. */
+#define DEFINE_KV_READ_Q8(SUF, T)                                                                              \
+void kv_read_q8_##SUF(const uint8_t *cache, const float *scale, int64_t ss, const float *lut,                  \
+                      const int64_t *slots, int64_t first, int64_t n, int64_t nkv, int64_t d, T *out) {        \
+    KV_READ_Q8_SETUP                                                                                           \
+    _Pragma("omp parallel for if (n * nkv * d >= 4 * PAR_MIN_WORK)")                                           \
+    for (int64_t r = 0; r < n; r++) {                                                                          \
+        int64_t slot = slots ? slots[r] : first + r;                                                           \
+        for (int64_t h = 0; h < nkv; h++) {                                                                    \
+            const uint8_t *c = cache + (slot * nkv + h) * d;                                                   \
+            T *o = out + (r * nkv + h) * d;                                                                    \
+            float s = scale[slot * ss + h];                                                                    \
+            int64_t i = KV_READ_Q8_FAST_##SUF(c, s, o, d);                                                     \
+            for (; i < d; i++) ST_##SUF(o + i, lut[c[i]] * s);                                                 \
+        }                                                                                                      \
+    }                                                                                                          \
+}
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define KV_READ_Q8_SETUP const Q8Tabs tabs = q8_tabs(lut, lut[255] == -1.0f && lut[1] == 1.0f);
+/* 64 elements at a time: exact bfloat16 codes -> float32, times s, rounded to T as ST_ does */
+static inline int64_t kv_read_q8_fast_f32(const Q8Tabs *t, const uint8_t *c, float s, float *o, int64_t d) {
+    int64_t i = 0;
+    __m512 vs = _mm512_set1_ps(s);
+    for (; i + 64 <= d; i += 64) {
+        __m512i a, b;
+        q8_to_bf16_64(t, c + i, &a, &b);
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(q8_bf16_lo_ps(a), vs));
+        _mm512_storeu_ps(o + i + 16, _mm512_mul_ps(q8_bf16_hi_ps(a), vs));
+        _mm512_storeu_ps(o + i + 32, _mm512_mul_ps(q8_bf16_lo_ps(b), vs));
+        _mm512_storeu_ps(o + i + 48, _mm512_mul_ps(q8_bf16_hi_ps(b), vs));
+    }
+    return i;
+}
+/* float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 16 at a time */
+static inline __m256i q8_rd_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline int64_t kv_read_q8_fast_bf16(const Q8Tabs *t, const uint8_t *c, float s, uint16_t *o, int64_t d) {
+    int64_t i = 0;
+    __m512 vs = _mm512_set1_ps(s);
+    for (; i + 64 <= d; i += 64) {
+        __m512i a, b;
+        q8_to_bf16_64(t, c + i, &a, &b);
+        _mm256_storeu_si256((__m256i *)(o + i), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(a), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 16), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(a), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 32), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(b), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 48), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(b), vs)));
+    }
+    return i;
+}
+#define KV_READ_Q8_FAST_f32(c, s, o, d) kv_read_q8_fast_f32(&tabs, c, s, o, d)
+#define KV_READ_Q8_FAST_bf16(c, s, o, d) kv_read_q8_fast_bf16(&tabs, c, s, o, d)
+#else
+#define KV_READ_Q8_SETUP
+#define KV_READ_Q8_FAST_f32(c, s, o, d) 0
+#define KV_READ_Q8_FAST_bf16(c, s, o, d) 0
+#endif
+DEFINE_KV_READ_Q8(f32, float)
+DEFINE_KV_READ_Q8(bf16, uint16_t)
 
 /* ---- W8A8: int8 weights and int8 activations (issue 14) -------------------------------------------------
  * Each row of x is quantised per token (scale sx = max|x| / 127, codes rint(x / sx) clamped to +-127, as

@@ -47,8 +47,9 @@ _LIB: dict[str, Optional[ctypes.CDLL]] = {}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "decode_attn_q8": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
-    "kv_write_q8": [_P, _P, _P, _I, _P, _I, _I, _I, _P, _I, _F, _I],
+    "decode_attn_q8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _P, _P],
+    "kv_write_q8": [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I],
+    "kv_read_q8": [_P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
     "rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _F],
     "rope": [_P, _I, _P, _P, _P, _I, _I, _I],
     "silu_mul": [_P, _P, _I, _I],
@@ -288,19 +289,32 @@ class CpuKernels:
                           out.data_ptr() if as_float else None, None if as_float else out.data_ptr(),
                           _ptr(lse), out_rows.data_ptr())
 
+    @staticmethod
+    def _scale_stride(layer, what: str) -> int:
+        """The slot stride of a ``QuantizedKV`` layer's scale [num_slots, Hkv] (Hkv: one per slot and head;
+        0: one per head, a stride-0 view); ValueError for another layout."""
+        sc = layer.scale
+        if sc.dtype != torch.float32 or sc.dim() != 2 or sc.stride(1) != 1 or sc.stride(0) not in (0, sc.shape[1]):
+            raise ValueError(f"{what}: scales must be float32 [num_slots, Hkv], per slot or per head (stride 0)")
+        return sc.stride(0)
+
     def decode_attn_q8(self, q: torch.Tensor, q_rows: torch.Tensor, k, v, slots: torch.Tensor,
                        offsets: torch.Tensor, scale: float, out: torch.Tensor, out_rows: torch.Tensor,
                        lse: Optional[torch.Tensor] = None) -> None:
         """``decode_attn`` over a quantised KV cache: k, v are ``idleless.quant.kv.QuantizedKV`` layers
-        (one byte per element, int8 or fp8, decoded through their ``lut``, and a float32 scale per slot
-        and KV head), read in place (no dequantised copy). Other arguments as ``decode_attn``."""
+        (one byte per element, int8 or fp8, decoded through their ``lut``; float32 scales [num_slots, Hkv],
+        one per slot and KV head (int8's dynamic scales) or one per KV head (fp8's static scales, a stride-0
+        view over the slots: folded into the softmax factor and the output, no cost per key)), read in place
+        (no dequantised copy). Other arguments as ``decode_attn``. Raises ValueError on a layout mismatch
+        (k and v with scales of different kinds included)."""
         self._check(q)
         nb = q_rows.numel()
         _, H, D = q.shape
         Hkv = k.shape[1]
         kd, vd = k.data, v.data
+        ss = self._scale_stride(k, "decode_attn_q8")
         if (q.stride(2) != 1 or q.stride(1) != D or not kd.is_contiguous() or not vd.is_contiguous()
-                or kd.shape[2] != D or not k.scale.is_contiguous() or not v.scale.is_contiguous()
+                or kd.shape[2] != D or self._scale_stride(v, "decode_attn_q8") != ss or kd.shape != vd.shape
                 or offsets.numel() != nb + 1 or out_rows.numel() != nb or out.shape[1:] != (H, D)
                 or not out.is_contiguous() or out.dtype not in (torch.float32, self.dtype)):
             raise ValueError("decode_attn_q8: layout mismatch")
@@ -309,24 +323,48 @@ class CpuKernels:
         _check_index(q_rows, slots, offsets, out_rows)
         as_float = out.dtype == torch.float32
         self._decode_attn_q8(q.data_ptr(), q.stride(0), q_rows.data_ptr(), kd.data_ptr(), vd.data_ptr(),
-                             k.scale.data_ptr(), v.scale.data_ptr(), k.lut.data_ptr(), slots.data_ptr(),
+                             k.scale.data_ptr(), v.scale.data_ptr(), ss, k.lut.data_ptr(), slots.data_ptr(),
                              offsets.data_ptr(), nb, H, Hkv, D, scale, out.data_ptr() if as_float else None,
                              None if as_float else out.data_ptr(), _ptr(lse), out_rows.data_ptr())
 
     def kv_write_q8(self, layer, src: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantise src [n, Hkv, D] (the kernels' dtype, contiguous rows, row stride free) into the
-        quantised KV layer ``layer`` (``idleless.quant.kv.QuantizedKV``) at slots (int64 [n]): a scale
-        per (row, head) and one byte per element, the same bytes as ``QuantizedKV.write``'s PyTorch ops."""
+        quantised KV layer ``layer`` (``idleless.quant.kv.QuantizedKV``) at slots (int64 [n]): with
+        per-slot scales a scale per (row, head) computed and stored, with per-head scales the layer's
+        (``layer.static``) applied; values beyond the format's range saturate. The same bytes (and scales)
+        as ``QuantizedKV.write``'s PyTorch ops. Raises ValueError on a layout mismatch."""
         self._check(src)
         n = src.shape[0]
         data = layer.data
-        if (not data.is_contiguous() or not layer.scale.is_contiguous() or src.shape[1:] != data.shape[1:]
-                or src.stride(2) != 1 or src.stride(1) != src.shape[2] or slots.numel() != n):
+        ss = self._scale_stride(layer, "kv_write_q8")
+        if (not data.is_contiguous() or src.shape[1:] != data.shape[1:] or src.stride(2) != 1
+                or src.stride(1) != src.shape[2] or slots.numel() != n or (ss == 0) != layer.static):
             raise ValueError("kv_write_q8: layout mismatch")
         _check_index(slots)
         self._kv_write_q8(data.data_ptr(), layer.scale.data_ptr(), src.data_ptr(), src.stride(0), slots.data_ptr(),
-                          n, data.shape[1], data.shape[2], layer.lut.data_ptr(), layer.top, layer.fmax,
-                          int(data.dtype == torch.int8))
+                          n, data.shape[1], data.shape[2], layer.mbits, layer.bias, layer.fmax, int(not layer.static))
+
+    def kv_read_q8(self, layer, slots: Optional[torch.Tensor] = None, first: int = 0, n: int = 0) -> torch.Tensor:
+        """Rows of the quantised KV layer ``layer`` (``QuantizedKV``) dequantised into the kernels' dtype: the
+        slots ``slots`` (int64 [n]) or, with slots None, the n consecutive slots from ``first``: a new
+        [n, Hkv, D] tensor, lut[code] * scale rounded once (``QuantizedKV``'s PyTorch path, bit for bit).
+        Raises ValueError on a layout mismatch or slots out of range."""
+        data = layer.data
+        ss = self._scale_stride(layer, "kv_read_q8")
+        if not data.is_contiguous():
+            raise ValueError("kv_read_q8: layout mismatch")
+        if slots is not None:
+            _check_index(slots)
+            n = slots.numel()
+            if n and (int(slots.min()) < 0 or int(slots.max()) >= data.shape[0]):
+                raise ValueError("kv_read_q8: slot out of range")
+        elif first < 0 or n < 0 or first + n > data.shape[0]:
+            raise ValueError("kv_read_q8: slot out of range")
+        out = torch.empty(n, data.shape[1], data.shape[2], dtype=self.dtype)
+        if n:
+            self._kv_read_q8(data.data_ptr(), layer.scale.data_ptr(), ss, layer.lut.data_ptr(), _ptr(slots), first,
+                             n, data.shape[1], data.shape[2], out.data_ptr())
+        return out
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor,
               src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from idleless.cache.kv_pool import KVPool
+from idleless.quant import kv_scales
 from idleless.config import EngineConfig
 from idleless.model import cpu_kernels
 from idleless.model.attention import CompositeAttention
@@ -151,8 +152,12 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, mc.head_dim, self.dtype,
                                            config.kv_cache_dtype)
         num_slots = int(config.kv_cache_bytes() // per_token)
+        # an fp8 KV cache's static scales per layer and KV head: --quantization-param-path's, or calibrated
+        # here on the gate's built-in text (idleless.quant.kv_scales); None for the other formats
+        self.kv_scales = kv_scales.resolve(self, heads, kv_heads)
         self.pool = KVPool(mc.num_hidden_layers, kv_heads, mc.head_dim, num_slots,
-                           self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype)
+                           self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype,
+                           kv_scales=self.kv_scales)
         self.backend = CompositeAttention(self.pool, heads, kv_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
         # small batches (decode, verify) skip the module tree: the same calls over preallocated buffers
