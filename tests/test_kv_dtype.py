@@ -43,11 +43,12 @@ def test_written_rows_round_trip(fmt):
     x = torch.randn(5, HKV, D, generator=g) * torch.tensor([0.01, 30.0])[None, :, None]
     slots = torch.tensor([7, 3, 30, 0, 12])
     k.write(slots, x)
-    scale = pool.k_scale[0, slots]
+    scale = k.scale[slots]
     if fmt == "int8":
         assert torch.equal(scale, x.abs().amax(-1) / FMAX[fmt])  # per token and head, from the row itself
     else:  # the static per-head scale for every slot, untouched by the write; no memory per slot
-        assert torch.equal(scale, pool.k_head_scale[0].expand(5, HKV)) and pool.k_scale.stride(1) == 0
+        assert torch.equal(scale, pool.k_head_scale[0].expand(5, HKV)) and k.scale.stride(0) == 0
+        assert pool.k_scale is None and pool.v_scale is None
         assert bool((pool.k_head_scale > 0).all())
     back = k.index_select(0, slots).double()
     # fp8: saturation at +-fmax * scale (the second head's values run far beyond it)
@@ -98,8 +99,9 @@ def _reference(q, pool, tables, starts, extend, prefix):
     KV head h // (H / HKV))."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     if pool.quantized:
-        kd = pool.k_cache[0].float().double() * pool.k_scale[0].double()[..., None]
-        vd = pool.v_cache[0].float().double() * pool.v_scale[0].double()[..., None]
+        kq, vq = pool.layer_kv(0)
+        kd = pool.k_cache[0].float().double() * kq.scale.double()[..., None]
+        vd = pool.v_cache[0].float().double() * vq.scale.double()[..., None]
     else:
         kd, vd = pool.k_cache[0].double(), pool.v_cache[0].double()
     rep = H // HKV
@@ -218,7 +220,7 @@ def test_kernel_writes_the_bytes_of_the_torch_quantiser(fmt, dtype):
     b = make_pool(fmt, 1, HKV, D, 64, dtype, seed=4)
     a.layer_kv(0)[0].write(slots, x)
     kern.kv_write_q8(b.layer_kv(0)[0], x, slots)
-    assert torch.equal(a.k_scale, b.k_scale)
+    assert torch.equal(a.layer_kv(0)[0].scale, b.layer_kv(0)[0].scale)
     assert torch.equal(a.k_cache.view(torch.uint8), b.k_cache.view(torch.uint8))
 
 
@@ -377,7 +379,7 @@ def test_calibrated_scales_are_the_brute_force_amax(tiny):
             want = (amax[name] * 4 / FMAX[fmt]).float()
             assert torch.allclose(got, want, rtol=1e-6, atol=0), (fmt, name)
         assert r.precision["gate"] == "passed" and r.precision["kl"] is not None and r.precision["kl"] < 0.01
-        assert r.pool.k_scale is not None and r.pool.k_scale.stride(1) == 0
+        assert r.pool.k_scale is None and r.pool.layer_kv(0)[0].scale.stride(0) == 0  # nothing per slot
         bf16 = _runner(tiny, "bf16", skip_quantization_gate=True)
         assert r.pool.num_slots in (2 * bf16.pool.num_slots, 2 * bf16.pool.num_slots + 1)
         assert r.precision["kv_bytes_per_token"] * 2 == bf16.precision["kv_bytes_per_token"]

@@ -53,8 +53,9 @@ class KVPool:
     num_kv_heads], one scale per token and KV head written with the row; ``fp8_e4m3`` / ``fp8_e5m2`` with
     static scales ``kv_scales`` = (k, v), each float32 [num_layers, num_kv_heads] (positive, finite: the
     calibration pass's or a scale file's, ``idleless.quant.kv_scales``), kept as ``k_head_scale`` /
-    ``v_head_scale``; ``k_scale`` / ``v_scale`` are then their stride-0 views [num_layers, num_slots,
-    num_kv_heads] (read only: no memory per slot). ``self.dtype`` is the stored element dtype,
+    ``v_head_scale``, with ``k_scale`` / ``v_scale`` None (nothing per slot: code that moves per-slot
+    scales between pools must not treat a static pool's as such; ``layer_kv`` hands the attention
+    backends stride-0 views over the slots). ``self.dtype`` is the stored element dtype,
     ``self.quantized`` says whether it is an 8-bit format read through ``QuantizedKV``,
     ``self.static_scales`` whether its scales are per head; read a layer through ``layer_kv``.
     num_slots is rounded down to a multiple of page_size. Slot indices are int64 tensors.
@@ -86,10 +87,7 @@ class KVPool:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_scale = self.v_scale = None
-        if self.static_scales:
-            self.k_scale = self.k_head_scale[:, None, :].expand(shape[:3])
-            self.v_scale = self.v_head_scale[:, None, :].expand(shape[:3])
-        elif self.quantized:
+        if self.quantized and not self.static_scales:
             self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
             self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)
@@ -111,9 +109,14 @@ class KVPool:
 
     def layer_kv(self, layer: int) -> tuple:
         """Layer ``layer``'s (K, V) as the attention backends read them: views [num_slots, Hkv, D] of the
-        pool, or ``QuantizedKV`` views (values and scales) for a quantised format."""
+        pool, or ``QuantizedKV`` views (values and scales: per slot, or a static pool's per-head scales
+        expanded over the slots with stride 0) for a quantised format."""
         if not self.quantized:
             return self.k_cache[layer], self.v_cache[layer]
+        if self.static_scales:
+            n, h = self.num_slots, self.k_head_scale.shape[1]
+            return (QuantizedKV(self.k_cache[layer], self.k_head_scale[layer][None, :].expand(n, h), self.compute_dtype),
+                    QuantizedKV(self.v_cache[layer], self.v_head_scale[layer][None, :].expand(n, h), self.compute_dtype))
         return (QuantizedKV(self.k_cache[layer], self.k_scale[layer], self.compute_dtype),
                 QuantizedKV(self.v_cache[layer], self.v_scale[layer], self.compute_dtype))
 
