@@ -197,7 +197,7 @@ def test_pause_and_continue_in_each_mode(setup):
     continue; abort ends it; in every mode a request arriving while paused waits, and everything ends
     with no KV held."""
     srv = setup[0]
-    n = 400
+    n = 1500  # long enough that the pause lands while it runs on a fast, loaded machine (400 was not on Zen 4)
     base = generate(srv, n)["output_ids"]
     for mode in ("in_place", "retract", "abort"):
         out, started = [], threading.Event()
@@ -209,15 +209,17 @@ def test_pause_and_continue_in_each_mode(setup):
         late = []
         w = threading.Thread(target=lambda: late.append(generate(srv, n)))
         w.start()
-        time.sleep(1.0)
-        assert not late  # waits while paused
-        s = srv.stats()
-        if mode == "in_place":
-            assert s["num_running"] == 1 and s["kv"]["in_use"] > 0
-        else:
-            assert s["num_running"] == 0 and s["kv"]["in_use"] == 0
-            assert s["num_waiting"] == (1 if mode == "retract" else 0)
-        assert httpx.post(srv.url + "/continue_generation", timeout=60).status_code == 200
+        try:
+            time.sleep(1.0)
+            assert not late  # waits while paused
+            s = srv.stats()
+            if mode == "in_place":
+                assert s["num_running"] == 1 and s["kv"]["in_use"] > 0
+            else:
+                assert s["num_running"] == 0 and s["kv"]["in_use"] == 0
+                assert s["num_waiting"] == (1 if mode == "retract" else 0)
+        finally:  # a failed check must not leave the module's server paused for the next tests
+            assert httpx.post(srv.url + "/continue_generation", timeout=60).status_code == 200
         t.join(300)
         w.join(300)
         ids = [i for d in out for i in d["output_ids"]]
