@@ -861,6 +861,51 @@ static void ca_pv(const float *p, int nq, int64_t nn, const float *vf, int64_t d
 /* One query's chunk: sc[j] <- p_j = exp(s_j * scale - mc) for j < nn and 0 past it; *mc = the max of the
  * scaled scores (16 lanes, then the lanes in order), *lc = sum p (16 lanes over the chunk in order, then
  * the lanes in order). */
+#if defined(__AVX512F__)
+/* v_exp on 16 lanes: the same IEEE operations in the same order (H3), so fast_expf's bits */
+static inline __m512 v_exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.72283f);
+    __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), above = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+    __m512 xc = _mm512_mask_blend_ps(below, _mm512_mask_blend_ps(above, x, hi), lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                             _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    const float c[7] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    for (int i = 0; i < 7; i++) p = _mm512_add_ps(_mm512_set1_ps(c[i]), _mm512_mul_ps(f, p));
+    __m512i e = _mm512_max_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), _mm512_set1_epi32(1));
+    __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+    r = _mm512_mask_blend_ps(below, r, _mm512_setzero_ps());
+    r = _mm512_mask_blend_ps(above, r, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, x);
+}
+/* the AVX2 version's lanes (lane = j mod 16) in one register: the same operations, the same bits */
+static inline void ca_softmax(float *sc, int64_t nn, float scale, float *mc_out, float *lc_out) {
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 m = ninf, l = _mm512_setzero_ps();
+    for (int64_t j = 0; j < BI_CHUNK; j += 16) {
+        __mmask16 live = _mm512_cmp_ps_mask(_mm512_add_ps(lane, _mm512_set1_ps((float)j)), _mm512_set1_ps((float)nn), _CMP_LT_OQ);
+        __m512 v = _mm512_mask_blend_ps(live, ninf, _mm512_mul_ps(_mm512_loadu_ps(sc + j), vs));
+        _mm512_storeu_ps(sc + j, v);
+        m = _mm512_max_ps(v, m);
+    }
+    float m16[16], l16[16], mc = -INFINITY, lc = 0.f;
+    _mm512_storeu_ps(m16, m);
+    for (int i = 0; i < 16; i++) mc = m16[i] > mc ? m16[i] : mc;
+    __m512 vm = _mm512_set1_ps(mc);
+    for (int64_t j = 0; j < BI_CHUNK; j += 16) {
+        __m512 e = v_exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vm));
+        _mm512_storeu_ps(sc + j, e);
+        l = _mm512_add_ps(l, e);
+    }
+    _mm512_storeu_ps(l16, l);
+    for (int i = 0; i < 16; i++) lc += l16[i];
+    *mc_out = mc;
+    *lc_out = lc;
+}
+#else
 static inline void ca_softmax(float *sc, int64_t nn, float scale, float *mc_out, float *lc_out) {
     const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -887,6 +932,7 @@ static inline void ca_softmax(float *sc, int64_t nn, float scale, float *mc_out,
     *mc_out = mc;
     *lc_out = lc;
 }
+#endif
 #else
 static inline void ca_softmax(float *sc, int64_t nn, float scale, float *mc_out, float *lc_out) {
     float m16[16], l16[16], mc = -INFINITY, lc = 0.f;
