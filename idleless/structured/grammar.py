@@ -39,6 +39,7 @@ from idleless.structured.spec import StructuredOutput
 log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
+MAX_TOKENIZER_INFOS = 4  # vocabularies kept per process (_tokenizer_info)
 MAX_STATES = 1024  # request states kept before idle ones are dropped (TokenMasks._evict_idle)
 IDLE_STEPS = 256
 
@@ -88,6 +89,36 @@ def check(spec: StructuredOutput) -> None:
     build_grammar(spec)
 
 
+_INFOS: OrderedDict = OrderedDict()
+_INFOS_LOCK = threading.Lock()
+
+
+def _tokenizer_info(tokenizer_path: str, vocab_size: int):
+    """(xgrammar module, its ``TokenizerInfo``) for an HF tokenizer directory and a logits width, built
+    once per process and shared by every engine it builds (loading the HF tokenizer and scanning the
+    vocabulary cost ~0.6-2.5 s of CPU for SmolLM2's 49,152 tokens; a test process builds hundreds of
+    engines). Keyed by the directory, the width and tokenizer.json's mtime; the last
+    ``MAX_TOKENIZER_INFOS`` are kept. Raises what the tokenizer load or xgrammar raises."""
+    from idleless.text.tokenizer import auto_tokenizer_class
+
+    path = os.path.realpath(tokenizer_path)
+    try:
+        mtime = os.stat(os.path.join(path, "tokenizer.json")).st_mtime_ns
+    except OSError:
+        mtime = None
+    key = (path, vocab_size, mtime)
+    with _INFOS_LOCK:
+        hit = _INFOS.get(key)
+        if hit is None:
+            auto_tokenizer, xgr = auto_tokenizer_class(with_xgrammar=True)
+            hf = auto_tokenizer.from_pretrained(tokenizer_path)
+            hit = _INFOS[key] = (xgr, xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size))
+            while len(_INFOS) > MAX_TOKENIZER_INFOS:
+                _INFOS.popitem(last=False)
+        _INFOS.move_to_end(key)
+        return hit
+
+
 class GrammarCache:
     """Compiled grammars for one vocabulary, compiled in a worker thread and kept by constraint.
 
@@ -106,13 +137,9 @@ class GrammarCache:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def _ready_compiler(self):
-        from idleless.text.tokenizer import auto_tokenizer_class
-
         with self._lock:
             if self._compiler is None:
-                auto_tokenizer, xgr = auto_tokenizer_class(with_xgrammar=True)
-                hf = auto_tokenizer.from_pretrained(self.tokenizer_path)
-                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
+                xgr, info = _tokenizer_info(self.tokenizer_path, self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -122,7 +149,9 @@ class GrammarCache:
     def warm(self) -> None:
         """Load the grammar engine and the vocabulary in the worker thread now (an engine calls this at
         start-up, so the first constrained request does not stall the step loop for the load); a
-        directory without tokenizer files is skipped, and a failure is retried at the first compile."""
+        directory without tokenizer files is skipped, and a failure is retried at the first compile.
+        The load runs in a daemon thread: a process that exits meanwhile does not wait for it (an
+        engine-core process stopped right after start-up waited 7-10 s for it at exit)."""
         if not any(os.path.exists(os.path.join(self.tokenizer_path, f))
                    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             return
@@ -133,7 +162,7 @@ class GrammarCache:
             except Exception as e:  # noqa: BLE001 - retried (and reported) by the first compile
                 log.debug("grammar engine warm-up failed: %s", e)
 
-        self._pool.submit(load)
+        threading.Thread(target=load, name="grammar-warm", daemon=True).start()
 
     def get(self, spec: StructuredOutput) -> Future:
         fut = self._entries.get(spec)
