@@ -261,7 +261,7 @@ class EngineClient:
                 await self.call(Shutdown(), timeout=timeout)
             except Exception:  # noqa: BLE001
                 pass
-        if proc is not None:
+        if proc is not None and proc.pid is not None:  # pid None: start() itself failed, nothing to join
             await asyncio.to_thread(proc.join, timeout)
             if proc.is_alive():
                 log.warning("engine core did not exit; killing it")
