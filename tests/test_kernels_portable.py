@@ -327,3 +327,36 @@ def test_chunk_attn_bf16_rows_alone_splits_and_float64(H, Hkv, D):
     sc = sc.masked_fill(~(torch.arange(L)[None, :] < limits[:, None])[:, None, :], float("-inf"))
     ref = torch.einsum("rhk,khd->rhd", sc.softmax(-1), V)
     torch.testing.assert_close(full[:R].double(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not DPBF16, reason="bi_q41_linear needs a CPU with AVX-512 BF16")
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (37, 64, True)])
+def test_bi_q41_linear_rows_alone_and_float64(n, k, bias):
+    """The batch-invariant Q4_1 x bfloat16 kernel (VDPBF16PS per block, then d and m by fma): every row's bits
+    are the same alone, in batches of 2 to 300 at any position of the 6 x 4 register tiles and with other
+    neighbours; the product is within float32's summation bound of a float64 product with the held weights
+    (d q + m, exact: nothing rounded to bf16) plus one bf16 rounding; the portable build has no such kernel
+    (has_bi_q41 False, and the call raises)."""
+    from idleless.quant.formats import quantize_q4_1, unpack_q4
+
+    native, portable = BUILDS[torch.bfloat16]
+    assert native.has_bi_q41 and not portable.has_bi_q41
+    g = _gen(n * k)
+    qs, d, m = quantize_q4_1(torch.randn(n, k, generator=g) * k ** -0.5)
+    held = (d.double()[..., None] * unpack_q4(qs).double() + m.double()[..., None]).reshape(n, k)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    x = (torch.randn(300, k, generator=g) * 2).to(torch.bfloat16)
+    packed = native.bi_q41_pack(qs, d, m)
+    full = native.bi_q41_linear(x, packed, n, b)
+    assert torch.equal(full, torch.cat([native.bi_q41_linear(x[i:i + 1], packed, n, b) for i in range(300)]))
+    for m0, mm in ((0, 2), (1, 5), (3, 7), (5, 13), (64, 65), (1, 299)):
+        assert torch.equal(native.bi_q41_linear(x[m0:m0 + mm], packed, n, b), full[m0:m0 + mm]), (m0, mm)
+    perm = torch.randperm(300, generator=_gen(9))
+    assert torch.equal(native.bi_q41_linear(x[perm], packed, n, b), full[perm])
+    xs = x.double()
+    ref = xs @ held.T + (b.double() if bias else 0)
+    bound = k * 2.0 ** -23 * (xs.abs() @ held.abs().T) + 2.0 ** -8 * ref.abs() + 1e-30
+    assert ((full.double() - ref).abs() <= bound).all()
+    assert torch.equal(native.bi_q41_pack(qs, d, m, out=packed), packed)  # re-packed in place, same bytes
+    with pytest.raises(ValueError):
+        portable.bi_q41_linear(x, packed, n, b)

@@ -1198,6 +1198,149 @@ static inline void ca_scores_dp_f32(const float *q, int nq, int64_t d, const uin
 #define BI_DP_PACK_f32(...)
 /* ---- end of the AVX-512 BF16 batch-invariant block ---- */
 
+/* ---- Batch-invariant GGUF Q4_1 x bfloat16 on AVX-512 BF16 (helper H3, issue 11) ---------------------
+ * Deterministic inference with Q4_1 weights (the bundled model's) and bfloat16 activations. Per output
+ * element, one chain whatever the number of rows: for each block b of 32 input features in order,
+ * t = VDPBF16PS chain over the block's 16 pairs (x[2i], x[2i+1]) . (code[2i], code[2i+1]) from 0 (codes
+ * 0..15 are exact in bf16, products exact), then acc = fma(d_b, t, acc), acc = fma(m_b, sx_b, acc) with
+ * sx_b = the block's 32 x values summed in float32 in order; out = bf16(acc + bias). So w = d q + m is
+ * used exactly (as q41_linear), not rounded to bf16. bi_q41_pack lays a weight out once per panel of 16
+ * columns and block: d[16], m[16] (float16), then 16 pair steps of 16 bytes (byte c: code 2s of column c
+ * in the low nibble, code 2s + 1 in the high one): BQ_PB bytes. A thread task decodes a group of BQ_GP
+ * panels to bf16 pairs in its buffer once and runs its rows over it in 6 x 4 register tiles (6 x 1, and
+ * single rows, at the edges: the same chains). */
+#define BQ_PB 320     /* bytes per (panel, block) in bi_q41_pack's layout */
+#define BQ_GP 8       /* panels per thread task */
+#define BQ_ROWS 128   /* rows per thread task */
+#define BQ_MR 6
+#define BQ_NP 4
+void bi_q41_pack(const uint8_t *qs, const uint16_t *d, const uint16_t *mm, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / 32, np = (n + 15) / 16;
+#pragma omp parallel for if (n * k >= PAR_MIN_WORK)
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (p * nb + b) * BQ_PB;
+            uint16_t dm[32];
+            for (int c = 0; c < 16; c++) {
+                int64_t col = p * 16 + c;
+                const uint8_t *q = qs + (col * nb + b) * 16;
+                dm[c] = col < n ? d[col * nb + b] : 0;
+                dm[16 + c] = col < n ? mm[col * nb + b] : 0;
+                for (int s = 0; s < 16; s++) {
+                    int i0 = 2 * s, i1 = 2 * s + 1; /* GGUF: code i < 16 in byte i's low nibble, else byte i - 16's high */
+                    uint8_t c0 = col < n ? (i0 < 16 ? q[i0] & 15 : q[i0 - 16] >> 4) : 0;
+                    uint8_t c1 = col < n ? (i1 < 16 ? q[i1] & 15 : q[i1 - 16] >> 4) : 0;
+                    o[64 + s * 16 + c] = (uint8_t)(c0 | c1 << 4);
+                }
+            }
+            memcpy(o, dm, 64);
+        }
+}
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+int bi_q41_available(void) { return 1; }
+static inline __attribute__((always_inline)) void bq_tile(const uint16_t *x, int64_t ldx, const float *sx, int64_t nb,
+                                                          const uint32_t *wb, const float *dmf, int64_t q0,
+                                                          const int mr, const int npl, const uint16_t *bias,
+                                                          int64_t col0, int64_t n, uint16_t *out, int64_t ldo) {
+    float acc[BQ_MR][BQ_NP][16]; /* in memory: touched once per block; the registers hold the block chains */
+    __m512 t[BQ_MR][BQ_NP];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < npl; j++) _mm512_storeu_ps(acc[r][j], _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < npl; j++) t[r][j] = _mm512_setzero_ps();
+        for (int s = 0; s < 16; s++) {
+            __m512bh w[BQ_NP];
+            for (int j = 0; j < npl; j++) w[j] = (__m512bh)_mm512_loadu_si512(wb + (((q0 + j) * nb + b) * 16 + s) * 16);
+            for (int r = 0; r < mr; r++) {
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + (b * 16 + s) * 2));
+                for (int j = 0; j < npl; j++) t[r][j] = _mm512_dpbf16_ps(t[r][j], xv, w[j]);
+            }
+        }
+        for (int j = 0; j < npl; j++) {
+            __m512 dv = _mm512_loadu_ps(dmf + ((q0 + j) * nb + b) * 32), mv = _mm512_loadu_ps(dmf + ((q0 + j) * nb + b) * 32 + 16);
+            for (int r = 0; r < mr; r++) {
+                __m512 a = _mm512_fmadd_ps(dv, t[r][j], _mm512_loadu_ps(acc[r][j]));
+                _mm512_storeu_ps(acc[r][j], _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * nb + b]), a));
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < npl; j++) {
+            int64_t col = col0 + (q0 + j) * 16;
+            if (col < n) bi_dp_out(_mm512_loadu_ps(acc[r][j]), bias, col, n, out + r * ldo);
+        }
+}
+/* out [m, n] (rows ldo apart) = x [m, k] (bf16 rows ldx apart) W^T (+ bias), W from bi_q41_pack; k a
+ * multiple of 32. Returns 0 when buffers cannot be allocated, else 1. */
+int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
+                  const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    int64_t nb = k / 32, np = (n + 15) / 16, ng = (np + BQ_GP - 1) / BQ_GP, nrb = (m + BQ_ROWS - 1) / BQ_ROWS;
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
+    int nt = MAX_THREADS();
+    size_t per = (size_t)BQ_GP * (size_t)nb * (16 * 16 * 4 + 32 * 4); /* bf16 pairs + d, m as float32 */
+    uint8_t *buf_all = (uint8_t *)malloc(per * (size_t)nt + 64);
+    if (!sx || !buf_all) { free(sx); free(buf_all); return 0; }
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.f;
+            for (int i = 0; i < 32; i++) s += bf16_to_f32(x[r * ldx + b * 32 + i]);
+            sx[r * nb + b] = s;
+        }
+    __m512i lut;
+    {
+        uint16_t l[32];
+        for (int i = 0; i < 32; i++) l[i] = f32_to_bf16((float)(i & 15));
+        lut = _mm512_loadu_si512(l);
+    }
+#pragma omp parallel if (m * k * n >= 16 * PAR_MIN_WORK)
+    {
+    uint32_t *wb = (uint32_t *)(buf_all + per * (size_t)THREAD_ID());
+    float *dmf = (float *)(wb + (size_t)BQ_GP * nb * 16 * 16);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int64_t rb = 0; rb < nrb; rb++) {
+            int64_t p0 = gi * BQ_GP, npg = np - p0 < BQ_GP ? np - p0 : BQ_GP;
+            for (int64_t q = 0; q < npg; q++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *src = wp + ((p0 + q) * nb + b) * BQ_PB;
+                    _mm512_storeu_ps(dmf + (q * nb + b) * 32, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src)));
+                    _mm512_storeu_ps(dmf + (q * nb + b) * 32 + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 32))));
+                    for (int s = 0; s < 16; s++) {
+                        __m512i tt = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + 64 + 16 * s)));
+                        __m512i w = _mm512_or_si512(_mm512_and_si512(tt, _mm512_set1_epi32(15)),
+                                                    _mm512_slli_epi32(_mm512_srli_epi32(tt, 4), 16));
+                        _mm512_storeu_si512(wb + ((q * nb + b) * 16 + s) * 16, _mm512_permutexvar_epi16(w, lut));
+                    }
+                }
+            int64_t r0 = rb * BQ_ROWS, r1 = r0 + BQ_ROWS < m ? r0 + BQ_ROWS : m, r = r0, col0 = p0 * 16;
+            for (; r + BQ_MR <= r1; r += BQ_MR) {
+                int64_t q = 0;
+                for (; q + BQ_NP <= npg; q += BQ_NP)
+                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, BQ_MR, BQ_NP, bias, col0, n, out + r * ldo, ldo);
+                for (; q < npg; q++)
+                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, BQ_MR, 1, bias, col0, n, out + r * ldo, ldo);
+            }
+            for (; r < r1; r++) {
+                int64_t q = 0;
+                for (; q + BQ_NP <= npg; q += BQ_NP)
+                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, 1, BQ_NP, bias, col0, n, out + r * ldo, ldo);
+                for (; q < npg; q++)
+                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, 1, 1, bias, col0, n, out + r * ldo, ldo);
+            }
+        }
+    }
+    free(sx);
+    free(buf_all);
+    return 1;
+}
+#else
+int bi_q41_available(void) { return 0; }
+int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
+                  const uint16_t *bias, uint16_t *out, int64_t ldo) { return 0; }
+#endif
+/* ---- end of the batch-invariant GGUF Q4_1 block ---- */
+
 
 #define DEFINE_BI_KERNELS(SUF, T)                                                                              \
 /* Pack w [n, k] into bi_linear's layout: ceil(n / BI_PANEL) panels, each [k][BI_PANEL] (the panel's           \

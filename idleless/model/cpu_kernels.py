@@ -189,6 +189,12 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
+        # deterministic inference with Q4_1 weights in bfloat16 on VDPBF16PS (AVX-512 BF16 in this build; H3)
+        lib.bi_q41_available.argtypes, lib.bi_q41_available.restype = [], ctypes.c_int
+        self.has_bi_q41 = dtype == torch.bfloat16 and bool(lib.bi_q41_available())
+        lib.bi_q41_pack.argtypes, lib.bi_q41_pack.restype = [_P, _P, _P, _I, _I, _P], None
+        lib.bi_q41_linear.argtypes, lib.bi_q41_linear.restype = [_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int
+        self._bi_q41_pack, self._bi_q41_linear = lib.bi_q41_pack, lib.bi_q41_linear
         # w8a8_gemm on vpdpbusd (AVX512-VNNI in this build) rather than its scalar loops
         lib.w8a8_gemm_vnni.argtypes, lib.w8a8_gemm_vnni.restype = [], ctypes.c_int
         self.has_vnni = bool(lib.w8a8_gemm_vnni())
@@ -536,6 +542,50 @@ class CpuKernels:
                                 key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
                                 _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out)):
             raise MemoryError("chunk_attn: cannot allocate its buffers")
+
+    # ---- batch-invariant Q4_1 x bfloat16 on AVX-512 BF16 (H3; see the section comment in cpu_kernels.c) ----
+    #: bytes per (panel of 16 output columns, block of 32 input features) of ``bi_q41_pack``'s layout
+    BQ_PB = 320
+
+    def bi_q41_pack(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """GGUF Q4_1 blocks (``q41_linear``'s layout: qs uint8 [N, K/32, 16], d and m float16 [N, K/32],
+        contiguous) -> ``bi_q41_linear``'s layout, uint8 [ceil(N / 16), K/32, BQ_PB] (per panel of 16 columns
+        and block: d[16], m[16] float16, then 16 steps of 16 bytes holding the codes (2s, 2s+1) of each
+        column as two nibbles; zero past column N): the same values, no rounding. Written into ``out`` when
+        it is a contiguous uint8 tensor of that shape (a weight update re-packs in place), else a new
+        tensor. Raises ValueError on a layout mismatch."""
+        n, nb, _ = qs.shape
+        if (qs.dtype != torch.uint8 or qs.shape[2] != 16 or not qs.is_contiguous()
+                or any(t.dtype != torch.float16 or t.shape != (n, nb) or not t.is_contiguous() for t in (d, m))):
+            raise ValueError("bi_q41_pack: layout mismatch")
+        shape = ((n + 15) // 16, nb, self.BQ_PB)
+        if out is None or tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+            out = torch.empty(shape, dtype=torch.uint8)
+        self._bi_q41_pack(qs.data_ptr(), d.data_ptr(), m.data_ptr(), n, nb * 32, out.data_ptr())
+        return out
+
+    def bi_q41_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Batch-invariant y = x W^T (+ bias) for W in Q4_1 blocks packed by ``bi_q41_pack``: x [M, K]
+        bfloat16 (rows may be strided, K a multiple of 32), bias [N] -> new [M, N] bfloat16. Per output
+        element one chain for any M: per block of 32 features in order, a VDPBF16PS chain of x with the
+        codes, then fma(d, that, acc) and fma(m, sum of the block's x, acc); rounded once after the bias.
+        Only where ``has_bi_q41`` (bfloat16 kernels built with AVX-512 BF16). Raises ValueError on a layout
+        mismatch or without ``has_bi_q41``, MemoryError when buffers cannot be allocated."""
+        if not self.has_bi_q41:
+            raise ValueError("bi_q41_linear: needs bfloat16 kernels built with AVX-512 BF16")
+        self._check(x)
+        m, k = x.shape
+        if (x.stride(1) != 1 or k % 32 or packed.dtype != torch.uint8 or not packed.is_contiguous()
+                or tuple(packed.shape) != ((n + 15) // 16, k // 32, self.BQ_PB)):
+            raise ValueError("bi_q41_linear: layout mismatch")
+        self._check_bias(bias, n, "bi_q41_linear")
+        out = torch.empty(m, n, dtype=self.dtype)
+        if m and not self._bi_q41_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
+                                         out.data_ptr(), n):
+            raise MemoryError("bi_q41_linear: cannot allocate its buffers")
+        return out
 
     # ---- quantised weights, weight-only (idleless.quant; see the section comment in cpu_kernels.c) ----
     def _quant_rows(self, x: torch.Tensor, bias: Optional[torch.Tensor], n: int, kernel: str) -> torch.Tensor:
