@@ -64,15 +64,18 @@ def _torch_path(x, q, scale, bias):
 @needs_kernels
 def test_pack_layout_by_hand():
     kern = BUILDS[torch.float32][0]
-    n, k = 18, 6  # two panels (the second 2 columns wide), two groups (the second half empty)
+    # 5 panels (the last 2 columns wide): a run of 3 and a run of 2; two groups of 4 features (the second
+    # half empty); a run is [group][panel of the run][16 columns][4 features]
+    n, k = 66, 6
     q = (torch.arange(n * k).reshape(n, k) % 255 - 127).to(torch.int8)
     wp = kern.w8a8_pack(q)
-    assert wp.shape == (2 * 2 * 64,)
-    panels = wp.reshape(2, 2, 16, 4).int()
-    for c in range(32):
+    assert wp.shape == (5 * 2 * 64,)
+    runs = [wp[:3 * 2 * 64].reshape(2, 3, 16, 4).int(), wp[3 * 2 * 64:].reshape(2, 2, 16, 4).int()]
+    for c in range(80):
         for i in range(8):
             expect = (int(q[c, i]) if c < n and i < k else 0) + 128
-            assert int(panels[c // 16, i // 4, c % 16, i % 4]) == expect, (c, i)
+            p = c // 16
+            assert int(runs[p // 3][i // 4, p % 3, c % 16, i % 4]) == expect, (c, i)
 
 
 @needs_kernels

@@ -650,8 +650,9 @@ class CpuKernels:
 
     def w8a8_pack(self, q: torch.Tensor) -> torch.Tensor:
         """int8 weights q [N, K] (contiguous, codes in [-127, 127]) -> ``w8a8_gemm``'s layout: uint8
-        [ceil(N/16) * ceil(K/4) * 64], panels of 16 output columns, each [ceil(K/4)][16][4] bytes holding
-        q + 128 (128 past N and K). Raises ValueError on another layout or K above W8A8_GEMM_MAX_K."""
+        [ceil(N/16) * ceil(K/4) * 64]: panels of 16 output columns holding q + 128 (128 past N and K), in
+        runs of 3 panels (the last run what is left), each run [ceil(K/4)][run width][16][4] bytes. Raises
+        ValueError on another layout or K above W8A8_GEMM_MAX_K."""
         if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous() or q.shape[1] > self.W8A8_GEMM_MAX_K:
             raise ValueError(f"w8a8_pack: q must be contiguous int8 [N, K <= {self.W8A8_GEMM_MAX_K}]")
         n, k = q.shape
