@@ -6,8 +6,8 @@ builds it from source for the CPU); it imports nothing from Idleless, so it runs
     PYTHON idleless/bench/llamacpp_speed.py --gguf F --ids ids.json --threads 1 \\
         --prefill-tokens 1000 --decode-prompt 16 --decode-steps 64
 
-Measures, on the token ids given (the same ids the Idleless rows use): a prefill of --prefill-tokens
-from an empty context (``Llama.eval``, llama.cpp's own batching: n_batch = the prefill, its default
+Measures, on the token ids given (the same ids the Idleless rows use): after one untimed prefill of
+the same size (warm-up), a prefill of --prefill-tokens from an empty context (``Llama.eval``, llama.cpp's own batching: n_batch = the prefill, its default
 micro-batch), and --decode-steps greedy batch-1 decode steps after a --decode-prompt-token prompt
 (one ``eval`` of one token per step, the argmax of its logits). Prints one JSON line: tokens/s by wall
 time and by this process's CPU time, and llama.cpp's version.
@@ -43,7 +43,7 @@ def main() -> None:
     n = a.prefill_tokens
     llm = Llama(model_path=a.gguf, n_ctx=max(n, a.decode_prompt + a.decode_steps) + 16, n_batch=n,
                 n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
-    llm.eval(ids[:8])  # warm-up: first-call allocations
+    llm.eval(ids[:n])  # warm-up at the timed size: first-call allocations, as the Idleless rows
     llm.reset()
     prefill_wall, prefill_cpu = _timed(lambda: llm.eval(ids[:n]))
     llm.reset()

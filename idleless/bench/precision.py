@@ -16,7 +16,7 @@ for weight updates) and the KV bytes per token with the tokens ``--kv-cache-memo
 Speed (``--speed-combos``, and llama.cpp with ``--llamacpp PYTHON``: a Python with llama-cpp-python,
 running ``llamacpp_speed.py``): every row in its own fresh process, the rows alternating, ``--repeats``
 rounds, the median reported; the same token ids (the text repeated) and ``--threads`` for all. A
-prefill of ``--prefill-tokens`` from an empty cache (one extend for Idleless), and ``--decode-steps``
+prefill of ``--prefill-tokens`` from an empty cache, timed after an untimed one of the same size (one extend for Idleless), and ``--decode-steps``
 greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
 step: the model alone, without scheduler or sampler), in tokens/s of wall time and of the process's CPU
 time (the steadier figure on a shared machine with one thread).
@@ -66,12 +66,15 @@ def parse_combo(item: str) -> dict:
 
 
 def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decode_steps: int) -> dict:
-    """A prefill of ids[:prefill_tokens] from an empty cache, then ``decode_steps`` greedy batch-1 steps
+    """A prefill of ids[:prefill_tokens] from an empty cache (after an untimed one of the same size: the
+    first in a process runs at about half the rate), then ``decode_steps`` greedy batch-1 steps
     after a prefill of ids[:decode_prompt]: tokens/s of wall and of process CPU time for each."""
     pool, n = runner.pool, prefill_tokens
     out = {}
     slots = pool.alloc(0, 0, n)
-    forward_range(runner, ids[:8], slots, 0, torch.tensor([7]))  # warm-up: first-call allocations
+    # warm-up at the timed size: a first 1000-token extend in a fresh process runs at about half the
+    # rate of the next (first-call allocations, the GEMM library's plans), which hid the kernels' ratios
+    forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
     t0, c0 = time.perf_counter(), time.process_time()
     forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
     out.update(prefill_tok_s=n / (time.perf_counter() - t0), prefill_tok_s_cpu=n / (time.process_time() - c0))
