@@ -362,8 +362,10 @@ class CpuKernels:
         if slots is not None:
             _check_index(slots)
             n = slots.numel()
-            if n and (int(slots.min()) < 0 or int(slots.max()) >= data.shape[0]):
-                raise ValueError("kv_read_q8: slot out of range")
+            if n:
+                lo, hi = torch.aminmax(slots)  # one pass (a read per attention part and layer)
+                if int(lo) < 0 or int(hi) >= data.shape[0]:
+                    raise ValueError("kv_read_q8: slot out of range")
         elif first < 0 or n < 0 or first + n > data.shape[0]:
             raise ValueError("kv_read_q8: slot out of range")
         out = torch.empty(n, data.shape[1], data.shape[2], dtype=self.dtype)
