@@ -115,8 +115,9 @@ class KVPool:
             return self.k_cache[layer], self.v_cache[layer]
         if self.static_scales:
             n, h = self.num_slots, self.k_head_scale.shape[1]
-            return (QuantizedKV(self.k_cache[layer], self.k_head_scale[layer][None, :].expand(n, h), self.compute_dtype),
-                    QuantizedKV(self.v_cache[layer], self.v_head_scale[layer][None, :].expand(n, h), self.compute_dtype))
+            ks, vs = self.k_head_scale[layer][None, :].expand(n, h), self.v_head_scale[layer][None, :].expand(n, h)
+            return (QuantizedKV(self.k_cache[layer], ks, self.compute_dtype),
+                    QuantizedKV(self.v_cache[layer], vs, self.compute_dtype))
         return (QuantizedKV(self.k_cache[layer], self.k_scale[layer], self.compute_dtype),
                 QuantizedKV(self.v_cache[layer], self.v_scale[layer], self.compute_dtype))
 
