@@ -473,3 +473,19 @@ def test_engine_fp8_radix_chunked_retraction_match_a_cold_run(tiny):
     for name, got in (("radix", warm), ("chunked", chunked), ("retraction", small)):
         assert got == cold, name
     assert det == det_warm
+
+
+def test_disabled_kernels_read_with_torch_ops(tiny):
+    """--disable-cpu-kernels reaches the quantised layers' row reads (PyTorch ops alone); a pool given no
+    kernels loads them on first use; both read the same values."""
+    r = _runner(tiny, "fp8_e4m3", skip_quantization_gate=True, disable_cpu_kernels=True)
+    k, _ = r.pool.layer_kv(0)
+    assert k.kernels is None
+    pool = make_pool("fp8_e4m3", 1, HKV, D, 8, torch.float32)
+    pool.layer_kv(0)[0].write(torch.arange(8), torch.randn(8, HKV, D))
+    if cpu_kernels.load(torch.float32) is not None:
+        assert pool.layer_kv(0)[0].kernels is not None
+    off = KVPool(1, HKV, D, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(pool.k_head_scale, pool.v_head_scale),
+                 kernels=None)
+    off.k_cache.copy_(pool.k_cache)
+    assert torch.equal(off.layer_kv(0)[0][0:8], pool.layer_kv(0)[0][0:8])

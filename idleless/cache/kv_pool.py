@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from idleless.quant.kv import KV_STORAGE, STATIC_SCALE_FORMATS, QuantizedKV
+from idleless.quant.kv import _UNSET, KV_STORAGE, STATIC_SCALE_FORMATS, QuantizedKV
 
 
 def _storage(dtype: torch.dtype, cache_dtype: str | None) -> tuple[torch.dtype, bool]:
@@ -58,6 +58,8 @@ class KVPool:
     backends stride-0 views over the slots). ``self.dtype`` is the stored element dtype,
     ``self.quantized`` says whether it is an 8-bit format read through ``QuantizedKV``,
     ``self.static_scales`` whether its scales are per head; read a layer through ``layer_kv``.
+    kernels: what ``QuantizedKV`` reads rows with (its constructor's argument: a ``CpuKernels`` of
+    ``dtype``, None for PyTorch ops alone, unset: loaded on first use).
     num_slots is rounded down to a multiple of page_size. Slot indices are int64 tensors.
     Raises ValueError if the pool would hold less than one page, for an unknown cache_dtype, for an fp8
     format without kv_scales (no default scale exists), for kv_scales of another shape or not positive
@@ -66,7 +68,9 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", page_size: int = 1,
-                 cache_dtype: str | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 cache_dtype: str | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 kernels=_UNSET):
+        self._read_kernels = kernels
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         if self.num_pages < 1:
@@ -116,10 +120,10 @@ class KVPool:
         if self.static_scales:
             n, h = self.num_slots, self.k_head_scale.shape[1]
             ks, vs = self.k_head_scale[layer][None, :].expand(n, h), self.v_head_scale[layer][None, :].expand(n, h)
-            return (QuantizedKV(self.k_cache[layer], ks, self.compute_dtype),
-                    QuantizedKV(self.v_cache[layer], vs, self.compute_dtype))
-        return (QuantizedKV(self.k_cache[layer], self.k_scale[layer], self.compute_dtype),
-                QuantizedKV(self.v_cache[layer], self.v_scale[layer], self.compute_dtype))
+            return (QuantizedKV(self.k_cache[layer], ks, self.compute_dtype, self._read_kernels),
+                    QuantizedKV(self.v_cache[layer], vs, self.compute_dtype, self._read_kernels))
+        return (QuantizedKV(self.k_cache[layer], self.k_scale[layer], self.compute_dtype, self._read_kernels),
+                QuantizedKV(self.v_cache[layer], self.v_scale[layer], self.compute_dtype, self._read_kernels))
 
     @property
     def num_free_slots(self) -> int:

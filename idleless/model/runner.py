@@ -157,7 +157,7 @@ class ModelRunner:
         self.kv_scales = kv_scales.resolve(self, heads, kv_heads)
         self.pool = KVPool(mc.num_hidden_layers, kv_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype,
-                           kv_scales=self.kv_scales)
+                           kv_scales=self.kv_scales, kernels=self.kernels)  # --disable-cpu-kernels: none
         self.backend = CompositeAttention(self.pool, heads, kv_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det)
         # small batches (decode, verify) skip the module tree: the same calls over preallocated buffers

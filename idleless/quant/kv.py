@@ -37,9 +37,11 @@ class QuantizedKV:
     """data [num_slots, Hkv, D] int8 / float8 (a view of the pool's tensor); scale [num_slots, Hkv]
     float32: a view of the pool's per-slot scales (int8), or the per-head scales [Hkv] expanded over
     the slots with stride 0 (fp8: ``static``); out_dtype: the dtype rows are dequantised into (the
-    model's). Raises ValueError for a scale of another shape."""
+    model's); kernels: the ``cpu_kernels.CpuKernels`` of out_dtype that read rows (``kv_read_q8``), None
+    for PyTorch ops alone (``--disable-cpu-kernels``), or unset: ``cpu_kernels.load(out_dtype)`` on first
+    use. Raises ValueError for a scale of another shape."""
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, kernels=_UNSET):
         if scale.dtype != torch.float32 or scale.shape != data.shape[:2] or scale.stride(-1) != 1:
             raise ValueError(f"KV scales must be float32 [{data.shape[0]}, {data.shape[1]}] with contiguous heads, "
                              f"got {scale.dtype} {tuple(scale.shape)}")
@@ -54,7 +56,7 @@ class QuantizedKV:
         self.fmax = FMAX[data.dtype]
         #: (mantissa bits, exponent bias) of an fp8 format, (0, 0) for int8 (the C writer's format code)
         self.mbits, self.bias = FP8_BITS.get(data.dtype, (0, 0))
-        self._kernels = _UNSET
+        self._kernels = kernels if kernels is None or kernels is _UNSET or kernels.dtype == out_dtype else None
 
     @property
     def shape(self) -> torch.Size:
@@ -66,7 +68,8 @@ class QuantizedKV:
 
     @property
     def kernels(self):
-        """``cpu_kernels.load(out_dtype)`` (None without a compiler or off CPU), loaded on first use."""
+        """The kernels that read rows: the constructor's, or ``cpu_kernels.load(out_dtype)`` (None without a
+        compiler or off CPU) loaded on first use."""
         if self._kernels is _UNSET:
             from idleless.model import cpu_kernels
 
