@@ -11,6 +11,7 @@ import socket
 import time
 
 import pytest
+import torch
 import zmq
 
 from conftest import make_tiny_model
@@ -83,6 +84,19 @@ PROMPT = list(range(3, 60))
 PROMPT2 = PROMPT[:40] + list(range(100, 130))  # shares 40 tokens with PROMPT
 
 
+def assert_same_kv_bytes(decode, prefill, ids) -> None:
+    """D's cached K/V of ``ids`` (and per-token scales, int8) are P's, byte for byte."""
+    ends = []
+    for core in (decode, prefill):
+        pool, h = core.scheduler.pool, core.scheduler.cache.match_prefix(ids, hit=False)
+        assert h.cached_len == len(ids)
+        parts = [pool.k_cache[:, h.slots], pool.v_cache[:, h.slots]]
+        if pool.k_scale is not None:
+            parts += [pool.k_scale[:, h.slots], pool.v_scale[:, h.slots]]
+        ends.append([t.contiguous().view(torch.uint8) for t in parts])
+    assert len(ends[0]) == len(ends[1]) and all(torch.equal(a, b) for a, b in zip(*ends))
+
+
 def pull_twice_and_check(decode, prefill, colocated) -> dict:
     """P prefills PROMPT, D pulls its KV and decodes; then PROMPT2, which shares 40 tokens with it, so D
     pulls only the suffix. Checks D's tokens against the colocated engine's (bitwise), the tokens and
@@ -97,9 +111,13 @@ def pull_twice_and_check(decode, prefill, colocated) -> dict:
     st = decode.kv_connector.stats()
     assert st["num_transfers"] == 1 and st["num_tokens_received"] == len(PROMPT) - 1
     assert got["d1"][-1].cached_tokens == len(PROMPT) - 1  # the pulled prefix is a cache hit at admission
-    layout = wire.pool_layout(decode.scheduler.pool)
-    per_token = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"] * 4  # K and V, float32
+    pool = decode.scheduler.pool
+    L, _, H, D = pool.k_cache.shape
+    per_token = 2 * L * H * D * pool.k_cache.element_size()  # K and V in the stored dtype
+    if pool.k_scale is not None:  # int8: a float32 scale per token, layer and KV head, for K and V
+        per_token += 2 * L * H * 4
     assert st["bytes_received"] == per_token * (len(PROMPT) - 1)
+    assert_same_kv_bytes(decode, prefill, PROMPT[:-1])
 
     # The second prompt shares 40 tokens with the first: D holds them and pulls only the rest.
     _run([prefill], [(prefill, [Request("p2", PROMPT2, _params(1))])])
@@ -170,6 +188,92 @@ def test_kv_dtype_mismatch_is_refused_with_a_clear_error(model_dir, prefill):
     _idle_and_clean(decode)
     _idle_and_clean(prefill)
     decode.kv_connector.close()
+
+
+QUANT = {"skip_quantization_gate": True}  # the accuracy gate is tested in test_kv_dtype
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantised_kv_equals_colocated_bitwise(model_dir, kv):
+    """int8 sends its per-token scales with the K/V; fp8's scales are static per (layer, K/V, KV head),
+    the same in every engine that calibrated on the same model, so only the fp8 bytes travel (one per
+    element: the byte count says no scale came). D's tokens and logprobs equal a colocated engine's of
+    the same format bitwise, and D's cached bytes are P's."""
+    q = {**QUANT, "kv_cache_dtype": kv}
+    colocated = _core(model_dir, **q)
+    prefill = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **q)
+    decode = _core(model_dir, disaggregation_mode="decode", **q)
+    try:
+        if kv.startswith("fp8"):
+            for core in (prefill, decode):
+                assert core.scheduler.pool.k_scale is None
+                assert torch.equal(core.scheduler.pool.k_head_scale, colocated.scheduler.pool.k_head_scale)
+                assert torch.equal(core.scheduler.pool.v_head_scale, colocated.scheduler.pool.v_head_scale)
+        pull_twice_and_check(decode, prefill, colocated)
+        _idle_and_clean(decode)
+        _idle_and_clean(prefill)
+    finally:
+        decode.kv_connector.close()
+        prefill.kv_connector.close()
+
+
+def other_scales_file(core, path, layer=1, head=1) -> str:
+    """A --quantization-param-path file of ``core``'s fp8 scales with V of (``layer``, ``head``) doubled."""
+    from idleless.quant import kv_scales
+    pool = core.scheduler.pool
+    v = pool.v_head_scale.clone()
+    v[layer, head] *= 2
+    kv_scales.save_scale_file(str(path), pool.k_head_scale, v, "fp8_e4m3")
+    return str(path)
+
+
+def test_fp8_kv_scales_mismatch_is_refused_naming_the_scale(model_dir, tmp_path):
+    """Two fp8 engines whose static scales differ (one read another scale file) would read the same bytes
+    as other values: the pull is refused (an error whatever the fallback, never rescaled), the message
+    names the first differing scale, and neither side leaks a slot."""
+    q = {**QUANT, "kv_cache_dtype": "fp8_e4m3"}
+    prefill = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **q)
+    decode = _core(model_dir, disaggregation_mode="decode", pd_fallback="recompute",
+                   quantization_param_path=other_scales_file(prefill, tmp_path / "kv.json"), **q)
+    try:
+        _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+        d = Request("d", PROMPT, _params(), kv_transfer_params=_remote(prefill))
+        (out,) = _run([decode, prefill], [(decode, [d])])["d"]
+        assert out.finished and out.code == "layout_mismatch"
+        assert "fp8 KV scales differ" in out.error and "layer 1 V head 1" in out.error
+        v = decode.scheduler.pool.v_head_scale[1, 1].item()
+        assert f"head 1 is {v!r} on the decode engine, {v / 2!r} on the prefill engine" in out.error
+        assert "--quantization-param-path" in out.error
+        st = decode.kv_connector.stats()
+        assert st["num_errors"] == 1 and st["num_fallbacks"] == 0 and st["num_transfers"] == 0
+        _idle_and_clean(decode)
+        _idle_and_clean(prefill)
+    finally:
+        decode.kv_connector.close()
+        prefill.kv_connector.close()
+
+
+def test_layout_names_a_static_scale_difference_and_carries_no_scale_for_other_pools():
+    """The layout's digest of fp8 scales changes with any one scale bit; the decode side, which checks a
+    reply's layout without the peer's scales, still names the scales; int8 / plain pools carry none."""
+    from idleless.cache.kv_pool import KVPool
+    k, v = torch.full((2, 3), 0.01), torch.full((2, 3), 0.02)
+    a = KVPool(2, 3, 4, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(k, v))
+    k2 = k.clone()
+    k2[1, 2] = torch.nextafter(k2[1, 2], torch.tensor(1.0))
+    b = KVPool(2, 3, 4, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(k2, v))
+    la, lb = wire.pool_layout(a), wire.pool_layout(b)
+    assert la["token_scales"] is False and la["kv_scales"] != lb["kv_scales"]
+    assert wire.layout_mismatch(la, dict(la)) is None
+    why = wire.layout_mismatch(la, lb)
+    assert "fp8 KV scales differ" in why and "first difference" not in why
+    why = wire.layout_mismatch(la, lb, wire.pool_scales(a), wire.pool_scales(b))
+    assert f"layer 1 K head 2 is {k2[1, 2].item()!r} on the peer, {k[1, 2].item()!r} on this engine" in why
+    for pool, token_scales in ((KVPool(2, 3, 4, 8, torch.float32, cache_dtype="int8"), True),
+                               (KVPool(2, 3, 4, 8, torch.float32), False)):
+        layout = wire.pool_layout(pool)
+        assert layout["token_scales"] is token_scales and layout["kv_scales"] is None
+        assert wire.pool_scales(pool) is None
 
 
 def test_garbage_on_the_transfer_port_is_refused_and_pulls_still_work(model_dir, colocated, prefill):

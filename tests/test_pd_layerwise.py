@@ -15,7 +15,8 @@ import pytest
 from conftest import make_tiny_model
 from idleless.disagg import wire
 from idleless.engine.request import Request
-from test_disagg import PROMPT, PROMPT2, _core, _idle_and_clean, _params, _run, _tokens
+from test_disagg import (PROMPT, PROMPT2, _core, _idle_and_clean, _params, _run, _tokens, assert_same_kv_bytes,
+                         other_scales_file)
 
 CHUNK = 24  # P's chunked prefill: PROMPT (57 tokens) is computed in 3 steps
 
@@ -239,13 +240,16 @@ def test_a_pull_arriving_mid_step_gets_the_layers_written_so_far_then_the_rest_o
     prefill.kv_connector.close()
 
 
-def test_int8_kv_streams_its_scales_layer_by_layer(model_dir):
-    """A quantised pool sends each layer's scales with its K/V; D's tokens equal a colocated int8 engine's."""
-    int8 = {"kv_cache_dtype": "int8", "skip_quantization_gate": True}  # the gate is tested elsewhere
-    c = _core(model_dir, **int8)
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantised_kv_streams_layer_by_layer(model_dir, kv):
+    """int8 sends each layer's per-token scales with its K/V; fp8 (static per-head scales, the same in
+    both engines) its bytes alone. D's tokens equal a colocated engine's of the same format, and D's
+    cached bytes are P's."""
+    q = {"kv_cache_dtype": kv, "skip_quantization_gate": True}  # the gate is tested elsewhere
+    c = _core(model_dir, **q)
     ref = _tokens(_run([c], [(c, [Request("c", PROMPT, _params())])]), "c")
-    prefill = _prefill(model_dir, **int8)
-    decode = _core(model_dir, disaggregation_mode="decode", **int8)
+    prefill = _prefill(model_dir, **q)
+    decode = _core(model_dir, disaggregation_mode="decode", **q)
     p_req, d_req = _legs(prefill, "t9", PROMPT, "d9")
     prefill.add_request(p_req)
     decode.add_request(d_req)
@@ -254,6 +258,33 @@ def test_int8_kv_streams_its_scales_layer_by_layer(model_dir):
     assert _tokens(got, "d9") == ref
     st = decode.kv_connector.stats()
     assert st["num_transfers"] == 1 and st["num_fallbacks"] == 0 and st["num_layer_messages"] > 0
+    pool = decode.scheduler.pool
+    L, _, H, D = pool.k_cache.shape
+    per_token = 2 * L * H * D + (2 * L * H * 4 if kv == "int8" else 0)  # one byte per element (+ int8's scales)
+    assert st["bytes_received"] == per_token * (len(PROMPT) - 1)
+    assert_same_kv_bytes(decode, prefill, PROMPT[:-1])
+    _idle_and_clean(decode)
+    _idle_and_clean(prefill)
+    decode.kv_connector.close()
+    prefill.kv_connector.close()
+
+
+def test_fp8_scales_mismatch_refuses_the_layerwise_pull(model_dir, tmp_path):
+    """D's fp8 scales differ from P's: the layer-wise pull is refused before any layer travels (an error
+    whatever the fallback), the message names the scale, and D's slots are free again."""
+    q = {"kv_cache_dtype": "fp8_e4m3", "skip_quantization_gate": True}
+    prefill = _prefill(model_dir, **q)
+    decode = _core(model_dir, disaggregation_mode="decode", pd_fallback="recompute",
+                   quantization_param_path=other_scales_file(prefill, tmp_path / "kv.json", layer=0, head=0), **q)
+    p_req, d_req = _legs(prefill, "t11", PROMPT, "d11")
+    prefill.add_request(p_req)
+    decode.add_request(d_req)
+    got = _run([prefill, decode], [])
+    (out,) = got["d11"]
+    assert out.finished and out.code == "layout_mismatch" and "layer 0 V head 0" in out.error
+    st = decode.kv_connector.stats()
+    assert st["num_layer_messages"] == 0 and st["num_errors"] == 1 and st["num_fallbacks"] == 0
+    assert prefill.kv_connector.stats()["num_streams"] == 0
     _idle_and_clean(decode)
     _idle_and_clean(prefill)
     decode.kv_connector.close()

@@ -21,7 +21,7 @@ import zmq
 from idleless.disagg import mooncake, wire
 from idleless.engine.request import Request
 from test_disagg import (PROMPT, _core, _free_port, _idle_and_clean, _params, _remote, _run, _tokens,
-                         pull_twice_and_check)
+                         assert_same_kv_bytes, other_scales_file, pull_twice_and_check)
 
 needs_mooncake = pytest.mark.skipif(mooncake.missing_reason() is not None, reason="mooncake not installed")
 
@@ -74,19 +74,28 @@ def test_mooncake_decode_equals_colocated_bitwise_and_pulls_only_the_suffix(mode
 
 
 @needs_mooncake
-def test_mooncake_int8_kv_with_scales_equals_colocated(model_dir):
-    """A quantised pool sends its scales too; D's tokens equal a colocated int8 engine's."""
-    colocated = _core(model_dir, kv_cache_dtype="int8")
-    prefill = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, kv_cache_dtype="int8",
-                    disaggregation_transfer_backend="mooncake", disaggregation_timeout=10)
-    decode = _mc_decode(model_dir, kv_cache_dtype="int8")
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_mooncake_quantised_kv_equals_colocated(model_dir, kv):
+    """int8 sends its per-token scales too; fp8 (static per-head scales, the same in both engines) its
+    bytes alone (the buffer's size says so). D's tokens equal a colocated engine's of the same format,
+    and D's cached bytes are P's."""
+    q = {"kv_cache_dtype": kv, "skip_quantization_gate": True}
+    colocated = _core(model_dir, **q)
+    prefill = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                    disaggregation_transfer_backend="mooncake", disaggregation_timeout=10, **q)
+    decode = _mc_decode(model_dir, **q)
     try:
         ref = _run([colocated], [(colocated, [Request("c", PROMPT, _params())])])
         _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
         got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(),
                                                          kv_transfer_params=_remote(prefill))])])
         assert _tokens(got, "d") == _tokens(ref, "c")
-        assert decode.kv_connector.stats()["num_transfers"] == 1
+        st = decode.kv_connector.stats()
+        assert st["num_transfers"] == 1
+        L, _, H, D = decode.scheduler.pool.k_cache.shape
+        per_token = 2 * L * H * D + (2 * L * H * 4 if kv == "int8" else 0)  # one byte per element (+ scales)
+        assert st["bytes_received"] == per_token * (len(PROMPT) - 1)
+        assert_same_kv_bytes(decode, prefill, PROMPT[:-1])
         _until_buffers_freed(prefill)
         _idle_and_clean(decode)
         _idle_and_clean(prefill)
@@ -106,6 +115,26 @@ def test_mooncake_kv_dtype_mismatch_is_refused_with_a_clear_error(model_dir, mc_
     _idle_and_clean(decode)
     _idle_and_clean(mc_prefill)
     decode.kv_connector.close()
+
+
+@needs_mooncake
+def test_mooncake_fp8_scales_mismatch_is_refused_naming_the_scale(model_dir, tmp_path):
+    q = {"kv_cache_dtype": "fp8_e4m3", "skip_quantization_gate": True}
+    prefill = _core(model_dir, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                    disaggregation_transfer_backend="mooncake", disaggregation_timeout=10, **q)
+    decode = _mc_decode(model_dir, quantization_param_path=other_scales_file(prefill, tmp_path / "kv.json"), **q)
+    try:
+        _run([prefill], [(prefill, [Request("p", PROMPT, _params(1))])])
+        got = _run([decode, prefill], [(decode, [Request("d", PROMPT, _params(),
+                                                         kv_transfer_params=_remote(prefill))])])
+        (out,) = got["d"]
+        assert out.code == "layout_mismatch" and "fp8 KV scales differ" in out.error and "layer 1 V head 1" in out.error
+        assert prefill.kv_connector.stats()["num_read_buffers"] == 0  # nothing exposed
+        _idle_and_clean(decode)
+        _idle_and_clean(prefill)
+    finally:
+        decode.kv_connector.close()
+        prefill.kv_connector.close()
 
 
 @needs_mooncake
@@ -270,7 +299,8 @@ def test_the_exposed_bytes_are_the_pool_slots_and_an_unreleased_buffer_expires(m
 def test_pack_and_unpack_round_trip_a_quantised_layout():
     torch.manual_seed(0)
     L, n, H, D = 3, 5, 2, 3  # odd sizes: the scales start at an offset not a multiple of 4
-    layout = {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "int8", "quantized": True}
+    layout = {"num_layers": L, "num_kv_heads": H, "head_dim": D, "dtype": "int8", "quantized": True,
+              "token_scales": True}
     parts = [torch.randint(-128, 128, (L, n, H, D), dtype=torch.int8) for _ in range(2)]
     parts += [torch.rand(L, n, H, dtype=torch.float32) for _ in range(2)]
     buf = mooncake.pack(parts)
@@ -279,6 +309,15 @@ def test_pack_and_unpack_round_trip_a_quantised_layout():
         assert got.dtype == want.dtype and torch.equal(got, want)
     with pytest.raises(ValueError, match="expected"):
         mooncake.unpack(buf[:-1], layout, n)
+    # fp8: static per-head scales, not per token: the bytes alone
+    fp8 = {**layout, "dtype": "float8_e4m3fn", "token_scales": False}
+    parts = [torch.randint(0, 256, (L, n, H, D), dtype=torch.uint8).view(torch.float8_e4m3fn) for _ in range(2)]
+    buf = mooncake.pack(parts)
+    assert buf.numel() == mooncake.pack_nbytes(fp8, n) == 2 * L * n * H * D
+    got = mooncake.unpack(buf, fp8, n)
+    assert len(got) == 2
+    for g, w in zip(got, parts):
+        assert g.dtype == torch.float8_e4m3fn and torch.equal(g.view(torch.uint8), w.view(torch.uint8))
 
 
 def test_mooncake_without_the_package_is_refused_at_start_naming_pip(model_dir, monkeypatch):

@@ -129,6 +129,7 @@ class DecodeConnector(KVConnector):
         self.sched = sched
         self.pool = sched.pool
         self.layout = wire.pool_layout(self.pool)
+        self.scales = wire.pool_scales(self.pool)
         self.timeout_s = float(timeout_s)
         self.fallback = fallback
         self.ctx = zmq.Context.instance()
@@ -166,6 +167,8 @@ class DecodeConnector(KVConnector):
         sock.setsockopt(zmq.LINGER, 0)
         header = {"rid": req.rid, "token_ids": list(req.prompt_ids), "skip": handle.cached_len, "want": want,
                   "layout": self.layout}
+        if self.scales is not None:  # static (fp8) scales: the prefill engine names one that differs
+            header["kv_scales"] = self.scales
         tid = params.get("transfer_id")
         if isinstance(tid, str) and tid:
             header["transfer_id"] = tid  # the prefill engine's queue and prefill seconds come back with it
@@ -343,7 +346,7 @@ class DecodeConnector(KVConnector):
         slots, pool = p.slots[start - p.skip:start - p.skip + n], self.pool
         pool.k_cache[first:first + m, slots] = tensors[0]
         pool.v_cache[first:first + m, slots] = tensors[1]
-        if pool.quantized:
+        if pool.k_scale is not None:  # per-token scales (int8); static ones are the pool's (layout checked)
             pool.k_scale[first:first + m, slots] = tensors[2]
             pool.v_scale[first:first + m, slots] = tensors[3]
         for i in range(first, first + m):
@@ -443,7 +446,7 @@ class DecodeConnector(KVConnector):
     def _tensors(self, frames, n: int, num_layers: Optional[int] = None) -> list[torch.Tensor]:
         L = self.layout["num_layers"] if num_layers is None else num_layers
         H, D = self.layout["num_kv_heads"], self.layout["head_dim"]
-        want = 4 if self.pool.quantized else 2
+        want = 4 if self.layout["token_scales"] else 2
         if len(frames) != want:
             raise ValueError(f"{len(frames)} tensor frames, expected {want}")
         kv = [wire.frame_tensor(f, self.pool.dtype, (L, n, H, D)) for f in frames[:2]]
@@ -459,7 +462,7 @@ class DecodeConnector(KVConnector):
             return None
         pool.k_cache[:, slots] = tensors[0]
         pool.v_cache[:, slots] = tensors[1]
-        if pool.quantized:
+        if pool.k_scale is not None:  # per-token scales (int8); static ones are the pool's (layout checked)
             pool.k_scale[:, slots] = tensors[2]
             pool.v_scale[:, slots] = tensors[3]
         return self._insert(p, slots, n)

@@ -65,8 +65,8 @@ class _Active:
     next_layer: int = 0
 
 
-#: send(stream, start, num_tokens, first_layer, parts): parts are K, V [num_layers, n, H, D] (+ scales
-#: [num_layers, n, H] float32), fresh copies the transfer thread may keep
+#: send(stream, start, num_tokens, first_layer, parts): parts are K, V [num_layers, n, H, D] (+ per-token
+#: scales [num_layers, n, H] float32, int8), fresh copies the transfer thread may keep
 SendFn = Callable[[Stream, int, int, int, list], None]
 
 
@@ -167,6 +167,6 @@ class LayerStreamer:
     def _send_slots(self, s: Stream, start: int, slots: torch.Tensor, first: int, count: int) -> None:
         pool, end = self.pool, first + count
         parts = [pool.k_cache[first:end, slots], pool.v_cache[first:end, slots]]  # copies
-        if pool.quantized:
+        if pool.k_scale is not None:  # per-token scales (int8); static (fp8) ones are the pool's, not sent
             parts += [pool.k_scale[first:end, slots], pool.v_scale[first:end, slots]]
         self.send(s, start, int(slots.numel()), first, parts)

@@ -9,8 +9,8 @@ bytes go through the engine:
 
 1. the decode engine pulls as for ``tcp``, asking for ``"transfer": "mooncake"`` and saying how long
    the prefill engine must keep the bytes readable (``hold_s``);
-2. the prefill engine copies the matched slots' K/V (+ scales) into one staging buffer (``pack``),
-   registers it, and answers ``[KV, header]`` with ``header["mooncake"] = {"session", "addr",
+2. the prefill engine copies the matched slots' K/V (+ int8's per-token scales) into one staging
+   buffer (``pack``), registers it, and answers ``[KV, header]`` with ``header["mooncake"] = {"session", "addr",
    "nbytes", "read_id"}`` and no tensor frames;
 3. the decode engine reads the buffer into its own registered buffer (``transfer_sync_read``, on a
    worker thread), writes the KV into its pool as for ``tcp``, and sends ``[DONE, {"read_id"}]``: the
@@ -58,33 +58,34 @@ def missing_reason() -> Optional[str]:
 
 
 def pack_nbytes(layout: dict, n: int) -> int:
-    """Bytes of ``n`` tokens' K and V (+ float32 scales when ``layout["quantized"]``) in the pool's
-    stored dtype, as ``pack`` lays them out."""
+    """Bytes of ``n`` tokens' K and V in the pool's stored dtype (+ float32 per-token scales when
+    ``layout["token_scales"]``: int8; an fp8 pool's static scales do not travel), as ``pack`` lays them out."""
     L, H, D = layout["num_layers"], layout["num_kv_heads"], layout["head_dim"]
     elem = torch.empty((), dtype=getattr(torch, layout["dtype"])).element_size()
     total = 2 * L * n * H * D * elem
-    if layout["quantized"]:
+    if layout["token_scales"]:
         total += 2 * L * n * H * 4
     return total
 
 
 def pack(parts: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes one after another in a new contiguous CPU uint8 tensor (the staging buffer:
-    K ``[L, n, H, D]``, V, then K and V scales ``[L, n, H]`` float32 for a quantised pool)."""
+    K ``[L, n, H, D]``, V, then K and V scales ``[L, n, H]`` float32 for a pool with per-token scales)."""
     flat = [t.contiguous().cpu().view(torch.uint8).reshape(-1) for t in parts]
     return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
 
 
 def unpack(buf: torch.Tensor, layout: dict, n: int) -> list[torch.Tensor]:
     """Views of a staging buffer as ``pack`` wrote it: ``[k, v]`` ``[L, n, H, D]`` in the stored dtype
-    (+ ``[k_scale, v_scale]`` ``[L, n, H]`` float32). Raises ValueError when the size does not match."""
+    (+ ``[k_scale, v_scale]`` ``[L, n, H]`` float32 when ``layout["token_scales"]``). Raises ValueError when
+    the size does not match."""
     L, H, D = layout["num_layers"], layout["num_kv_heads"], layout["head_dim"]
     dtype = getattr(torch, layout["dtype"])
     if buf.numel() != pack_nbytes(layout, n):
         raise ValueError(f"KV buffer of {buf.numel()} bytes, expected {pack_nbytes(layout, n)} for {n} tokens")
     kv_bytes = L * n * H * D * torch.empty((), dtype=dtype).element_size()
     out = [buf[i * kv_bytes:(i + 1) * kv_bytes].view(dtype).reshape(L, n, H, D) for i in range(2)]
-    if layout["quantized"]:
+    if layout["token_scales"]:
         s = L * n * H * 4
         for i in range(2):
             start = 2 * kv_bytes + i * s

@@ -138,6 +138,7 @@ class PrefillConnector(KVConnector):
         self.pool = core.scheduler.pool
         self.sched = core.scheduler
         self.layout = wire.pool_layout(self.pool)
+        self.scales = wire.pool_scales(self.pool)  # static (fp8) scales, to name a pull's differing one
         ctx = zmq.Context.instance()
         self.sock = ctx.socket(zmq.ROUTER)  # the transfer thread's from start()
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -425,7 +426,8 @@ class PrefillConnector(KVConnector):
             self._count("num_bad_messages", 1)
             self._reply_error(ident, None, f"bad pull: {e}", "bad_request")
             return
-        why = wire.layout_mismatch(self.layout, head.get("layout"))
+        why = wire.layout_mismatch(self.layout, head.get("layout"), self.scales, head.get("kv_scales"),
+                                   "the decode engine", "the prefill engine")
         if why is not None:
             self._reply_error(ident, head.get("rid"), why, "layout_mismatch")
             return
@@ -483,7 +485,7 @@ class PrefillConnector(KVConnector):
         t0 = time.perf_counter()
         pool, slots = self.pool, job.slots
         parts = [pool.k_cache[:, slots], pool.v_cache[:, slots]]  # copies of committed, locked slots
-        if pool.quantized:
+        if pool.k_scale is not None:  # per-token scales (int8); static (fp8) ones are the pool's, not sent
             parts += [pool.k_scale[:, slots], pool.v_scale[:, slots]]
         try:
             if job.hold_s is not None and slots.numel():
