@@ -316,3 +316,71 @@ def test_a_separate_draft_reports_its_prompt_as_catch_up(models, target_core):
     assert p.propose([rec("a", after)], [2]) == [ref[2:4]]
     assert p.last_catchup_tokens == 0
     check_draft_kv(p)
+
+
+def test_fp8_kv_self_draft_reads_the_targets_scales(q4_target, monkeypatch):
+    """With an fp8 KV cache the int4 self-draft copies the target's fp8 bytes, so its pool must hold the
+    target's static per-head scales: the draft does not calibrate its own (one calibration, the
+    target's), its scales equal the target's bitwise, it shares the target's KV (copies, no catch-up),
+    the copied rows read back as the target's values, and greedy outputs equal plain decoding over the
+    same fp8 cache."""
+    from idleless.quant import kv_scales
+
+    fp8 = {"kv_cache_dtype": "fp8_e4m3", "skip_quantization_gate": True}
+    plain = EngineCore(core_config(q4_target, **fp8))
+    prompts = rand_prompts(13, [33, 6, 21])
+    lens = [12, 15, 9]
+    refs = [reference(plain, [pr], n)[0] for pr, n in zip(prompts, lens)]
+    calls = []
+    calibrate = kv_scales.calibrate
+    monkeypatch.setattr(kv_scales, "calibrate", lambda *a, **k: calls.append(1) or calibrate(*a, **k))
+    core = EngineCore(core_config(q4_target, speculative_algorithm="draft", speculative_draft_weight_dtype="int4",
+                                  speculative_num_draft_tokens=3, speculative_disable_adaptive=True, **fp8))
+    draft, target = core.proposer.inner, core.runner.pool
+    assert len(calls) == 1  # the target's calibration; the draft read its scales
+    assert draft.pool.k_scale is None and draft.runner.weight_dtype == "int4"
+    assert torch.equal(draft.pool.k_head_scale, target.k_head_scale)
+    assert torch.equal(draft.pool.v_head_scale, target.v_head_scale)
+    assert torch.equal(target.k_head_scale, plain.runner.pool.k_head_scale)  # the reference's cache too
+    assert draft.target_pool is target
+    out = {}
+    for i, (pr, n) in enumerate(zip(prompts, lens)):
+        core.add_request(Request(f"f{i}", pr, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)))
+        out[f"f{i}"] = []
+
+    def step():
+        for o in core.step():
+            out[o.rid] += o.new_token_ids
+
+    step()  # prefill: the target's fp8 K/V of the prompts
+    recs = {r.rid: r for r in core.scheduler.running}
+    step()  # the first propose copies them into the draft pool
+    for rid, r in recs.items():
+        seq, n = draft.seqs[rid], len(r.prompt_ids)
+        for layer in range(target.k_cache.shape[0]):
+            for mine, theirs in zip(draft.pool.layer_kv(layer), target.layer_kv(layer)):
+                assert torch.equal(mine.index_select(0, seq.slots[:n]), theirs.index_select(0, r.slots[:n]))
+    while core.has_work():
+        step()
+        check_ownership(core.scheduler)
+        check_draft_kv(draft)
+    assert [out[f"f{i}"] for i in range(len(prompts))] == refs
+    st = core.stats()["speculative"]
+    assert 0 < st["num_accepted_tokens"] <= st["num_draft_tokens"]
+
+
+def test_self_draft_shares_no_kv_with_a_target_of_other_static_scales(q4_target):
+    """``_same_layout`` compares static scales too: pools of one shape whose fp8 scales differ in one
+    value are not shared (the self-draft would catch up instead of copying mis-scaled bytes)."""
+    from idleless.cache.kv_pool import KVPool
+    from idleless.spec.draft import _same_layout
+
+    k, v = torch.full((2, 2), 0.01), torch.full((2, 2), 0.02)
+    a = KVPool(2, 2, 16, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(k, v))
+    assert _same_layout(a, KVPool(2, 2, 16, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(k.clone(), v)))
+    v2 = v.clone()
+    v2[1, 0] *= 2
+    assert not _same_layout(a, KVPool(2, 2, 16, 8, torch.float32, cache_dtype="fp8_e4m3", kv_scales=(k, v2)))
+    assert not _same_layout(a, KVPool(2, 2, 16, 8, torch.float32, cache_dtype="int8"))
+    assert _same_layout(KVPool(2, 2, 16, 8, torch.float32, cache_dtype="int8"),
+                        KVPool(2, 2, 16, 8, torch.float32, cache_dtype="int8"))

@@ -23,11 +23,15 @@ the K/V the target computed for a request's tokens (its prompt, its accepted tok
 the draft's slots rather than recomputed at the draft's precision (a 4-bit prefill of a prompt costs
 more than the target's float one). The draft then computes only its own guesses; what it attends to
 for the rest is the target's more exact K/V, which changes only which tokens it guesses, never
-what the target accepts.
+what the target accepts. With an fp8 KV cache the draft's pool holds the target's static per-head
+scales (read from them rather than calibrated on the draft's weights), so the copied bytes mean the
+same values; pools whose scales differ anyway are not shared (the draft catches up).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
@@ -57,9 +61,30 @@ def _weight_bytes(model) -> int:
 
 
 def _same_layout(a, b) -> bool:
-    """Whether two ``KVPool``s hold K/V of the same layers, heads, dims and stored dtype."""
-    return (a.k_cache.shape[0] == b.k_cache.shape[0] and a.k_cache.shape[2:] == b.k_cache.shape[2:]
-            and a.dtype == b.dtype and a.quantized == b.quantized)
+    """Whether two ``KVPool``s hold K/V of the same layers, heads, dims and stored dtype, and (fp8) the
+    same static per-head scales: bytes copied from one read as the same values in the other."""
+    if not (a.k_cache.shape[0] == b.k_cache.shape[0] and a.k_cache.shape[2:] == b.k_cache.shape[2:]
+            and a.dtype == b.dtype and a.quantized == b.quantized):
+        return False
+    ka, kb = getattr(a, "k_head_scale", None), getattr(b, "k_head_scale", None)
+    if ka is None or kb is None:
+        return ka is None and kb is None
+    return torch.equal(ka, kb) and torch.equal(a.v_head_scale, b.v_head_scale)
+
+
+def _target_scales_file(config: EngineConfig, target_runner, directory: str) -> dict:
+    """For a self-draft over an fp8 KV cache whose target calibrated its static scales: the config
+    change that has the draft read the target's scales (``--quantization-param-path``, a file written
+    in ``directory``) instead of calibrating its own with its lower-precision weights, whose scales
+    would differ and mis-scale the K/V copied from the target. {} otherwise (no static scales, or the
+    target's scales came from a file the draft's config names too)."""
+    pool = getattr(target_runner, "pool", None)
+    if getattr(pool, "k_head_scale", None) is None or config.quantization_param_path:
+        return {}
+    from idleless.quant import kv_scales
+    path = os.path.join(directory, "target_kv_scales.json")
+    kv_scales.save_scale_file(path, pool.k_head_scale.cpu(), pool.v_head_scale.cpu(), config.kv_cache_dtype)
+    return {"quantization_param_path": path}
 
 
 def check_self_draft(draft_weight_dtype: str, target_weight_dtype: Optional[str]) -> None:
@@ -140,11 +165,14 @@ class DraftModelProposer(Proposer):
         # the draft runner's config: no speculation of its own (the speculative_* fields at their defaults,
         # so it logs no "set without --speculative-algorithm" warning)
         plain = {f.name: f.default for f in fields(EngineConfig) if f.name.startswith("speculative_")}
-        self.runner = ModelRunner(replace(config, **plain, model=draft_dir,
-                                          kv_cache_memory=config.speculative_draft_kv_cache_memory,
-                                          context_length=target_runner.context_length,
-                                          skip_quantization_gate=True,  # a draft's accuracy is its acceptance rate
-                                          **precision))
+        with tempfile.TemporaryDirectory(prefix="idleless-draft-") as tmp:
+            # a self-draft copies the target's fp8 K/V bytes: its pool must read them with the target's scales
+            scales = {} if path else _target_scales_file(config, target_runner, tmp)
+            self.runner = ModelRunner(replace(config, **plain, model=draft_dir,
+                                              kv_cache_memory=config.speculative_draft_kv_cache_memory,
+                                              context_length=target_runner.context_length,
+                                              skip_quantization_gate=True,  # its accuracy is its acceptance rate
+                                              **precision, **scales))
         self.pool = self.runner.pool
         # a draft step reads the draft's weights as a target step reads the target's: their ratio in bytes
         # (a self-draft at int4: about a quarter), 1 (pessimistic) for a target runner without a model
@@ -283,7 +311,9 @@ class DraftModelProposer(Proposer):
 
     def _copy_target_kv(self, rec, seq: DraftSeq, count: int) -> None:
         """Copy the target's K/V (and scales) of ``count`` tokens after ``seq``'s computed ones from
-        ``rec.slots`` into ``seq.slots`` (already grown), every layer at once; they count as computed."""
+        ``rec.slots`` into ``seq.slots`` (already grown), every layer at once; they count as computed.
+        Per-token scales (int8) are copied with the rows; static ones (fp8) are equal in both pools
+        (``_same_layout``: the draft reads the target's, ``_target_scales_file``) and stay."""
         a, b = seq.num_computed, seq.num_computed + count
         src, dst = rec.slots[a:b], seq.slots[a:b]
         for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
