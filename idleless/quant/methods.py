@@ -191,6 +191,7 @@ class Q4LinearMethod(QuantizedLinearMethod):
     Raises ValueError at load for in_features not divisible by 32."""
 
     kernel_rows = GGUF_KERNEL_MAX_ROWS  # Q4_1's; Q4_0 has no kernel (kernel_apply None: the tiles)
+    bi_q41 = True  # Q4_1 x bfloat16 on bi_q41_linear where the kernels have it (not W4A8's int8 activations)
 
     def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1", kernels=None):
         super().__init__(row_tile, kernels)
@@ -198,14 +199,35 @@ class Q4LinearMethod(QuantizedLinearMethod):
             raise ValueError(f"Q4 layout must be q4_0 or q4_1, got {layout!r}")
         self.layout = layout
         self.head_method = Q8_0LinearMethod(row_tile, kernels)
+        # Q4_1 on kernels with ``bi_q41_linear`` (bfloat16, AVX-512 BF16): the kernel of every batch the method
+        # sends to a kernel (deterministic: all; default: up to kernel_rows, which so keep the deterministic bits)
+        self.use_bi_q41 = bool(self.bi_q41 and layout == "q4_1" and kernels is not None
+                               and getattr(kernels, "has_bi_q41", False))
+
+    def process_after_load(self, layer) -> int:
+        extra = super().process_after_load(layer)
+        if self.use_bi_q41:
+            qt = layer.quant
+            qt["bi"] = self.kernels.bi_q41_pack(qt["qs"], qt["d"], qt["m"])
+            extra += _nbytes(qt["bi"])
+        return extra
 
     def kernel_apply(self, layer, x):
         if self.layout != "q4_1":
             return None
         qt = layer.quant
+        if self.use_bi_q41:
+            return self.kernels.bi_q41_linear(x, qt["bi"], qt["d"].shape[0], layer.bias)
         return self.kernels.q41_linear(x, qt["qs"], qt["d"], qt["m"], layer.bias)
 
     def kernel_into(self, layer, x, out):
+        if self.use_bi_q41:
+            qt, bias = layer.quant, layer.bias
+            if not self.kernels._bi_q41_linear(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), qt["bi"].data_ptr(),
+                                               qt["d"].shape[0], None if bias is None else bias.data_ptr(),
+                                               out.data_ptr(), out.stride(0)):
+                raise MemoryError("bi_q41_linear: cannot allocate its buffers")
+            return True
         return self.layout == "q4_1" and _gguf_into(self.kernels._q41_linear, layer, layer.quant["qs"], x, out)
 
     def quantize(self, weight):
@@ -350,6 +372,8 @@ class W4A8LinearMethod(_BlockAct8, Q4LinearMethod):
     ``Q4LinearMethod``'s. The output layer in Q8_0
     with int8 activations (``Q8_0A8LinearMethod``). Raises ValueError at load for in_features not
     divisible by 32."""
+
+    bi_q41 = False  # its own integer kernels
 
     def __init__(self, row_tile: Optional[int] = None, kernels=None):
         super().__init__(row_tile, "q4_1", kernels)
