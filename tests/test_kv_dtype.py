@@ -489,3 +489,39 @@ def test_disabled_kernels_read_with_torch_ops(tiny):
                  kernels=None)
     off.k_cache.copy_(pool.k_cache)
     assert torch.equal(off.layer_kv(0)[0][0:8], pool.layer_kv(0)[0][0:8])
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ["bf16", "auto"])
+def test_quantised_pool_merges_shared_prefixes_in_c(fmt):
+    """Padded flash's cascade merge runs in the C kernels (``merge``, in the model dtype) for a quantised
+    pool too, not only for a pool of the model's own dtype; a bf16 pool under a float32 model keeps the
+    PyTorch merge (no kernels of its storage dtype). A shared-prefix batch's output agrees with the
+    PyTorch merge's to float32 rounding and with float64 attention over the dequantised K/V."""
+    kern = cpu_kernels.load(torch.float32)
+    if kern is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(5)
+    pool = make_pool(fmt, 1, HKV, D, 300, torch.float32)
+    attn, native = CompositeAttention(pool, H, HKV, D, kernels=kern), TorchNativeAttention(pool, H, HKV, D)
+    c_merge = fmt != "bf16"
+    assert (attn.flash.kernels is kern) == c_merge and native.flash.kernels is None
+    assert attn.flash._merge == (attn.flash._merge_kernel if c_merge else attn.flash._merge_torch)
+    slots = torch.randperm(300, generator=g)
+    prompt = slots[:90]
+    attn.forward(torch.randn(90, H, D, generator=g), torch.randn(90, HKV, D, generator=g) * 3,
+                 torch.randn(90, HKV, D, generator=g), 0, attn.prepare([90], [0], [prompt]), prompt)
+    # three requests share the 90-token prompt: two decode rows and a 20-token extend (a shared segment
+    # merged into each row's tail; the decode rows go to the fused kernel, the extend to padded flash)
+    new = [slots[90:91], slots[91:92], slots[92:112]]
+    tables = [torch.cat([prompt, n]) for n in new]
+    extend, prefix = [1, 1, 20], [90, 90, 90]
+    q = torch.randn(22, H, D, generator=g)
+    k, v = torch.randn(22, HKV, D, generator=g) * 3, torch.randn(22, HKV, D, generator=g)
+    loc = torch.cat(new)
+    meta = attn.prepare(extend, prefix, tables)
+    assert any(b is attn.flash and p.segments for b, p in meta.parts)
+    out = attn.forward(q, k, v, 0, meta, loc)
+    ref_torch = native.forward(q, k, v, 0, native.prepare(extend, prefix, tables), loc)  # rewrites the same rows
+    ref = _reference(q, pool, tables, [0, 1, 2], extend, prefix)
+    assert (out.double() - ref).abs().max() < 2e-5
+    assert (out - ref_torch).abs().max() < 1e-5

@@ -146,7 +146,10 @@ class CompositeAttention:
         self.sliding_window = sliding_window  # Mistral: a query sees only the last `sliding_window` keys
         self.use_segments = True
         kern = self.kernels
-        self.flash = PaddedFlashAttention(num_heads, num_kv_heads, head_dim, pool.compute_dtype, kern)
+        # the flash backend's kernels serve only its cascade merge, in the model dtype (its outputs' and
+        # q's), so a quantised pool's flash merges in C too (model_kern), other pools' as before (kern)
+        self.flash = PaddedFlashAttention(num_heads, num_kv_heads, head_dim, pool.compute_dtype,
+                                          model_kern if pool.quantized else kern)
         decode_kern = model_kern if pool.quantized else kern
         decode = FusedDecodeAttention(decode_kern, head_dim) if decode_kern is not None else None
         ragged = (RaggedAmxAttention(pool, kern, num_kv_heads, head_dim)
