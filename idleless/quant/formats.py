@@ -9,8 +9,11 @@
   ggml does: byte j of a block holds element j in its low nibble and element j + 16 in its high one.
 * GGUF Q8_0 blocks of 32 (ggml's ``block_q8_0``): a float16 step ``d = max|w_block| / 127`` and int8
   codes ``round(w / d)``, value ``d * code``.
-* KV rows: one scale per (token, KV head), ``s = max|x| / fmax`` (127 for int8, 448 for fp8 e4m3,
-  57344 for fp8 e5m2), computed when the row is written: dynamic, never a default.
+* int8 KV rows: one scale per (token, KV head), ``s = max|x| / 127`` (``quantize_rows``), computed when
+  the row is written: dynamic, never a default. The fp8 KV formats (e4m3, fmax 448; e5m2, 57344) have
+  no per-token scale: one static scale per (layer, K or V, KV head), calibrated at start-up or read from
+  a scale file (``idleless.quant.kv_scales``), values beyond ``fmax * s`` saturating
+  (``idleless.quant.kv``).
 
 A scale of 0 (an all-zero row or block) dequantises to zeros.
 """
