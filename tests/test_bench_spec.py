@@ -190,7 +190,7 @@ def test_speedup_identical_and_accepted_lengths():
 
 
 def _rec(wall, drafted=0, accepted=0, verifies=0, off_steps=0, identical=4, tps=None):
-    r = {"wall_s": wall, "num_requests": 4, "output_tokens": 100, "identical_to_off": identical,
+    r = {"wall_s": wall, "cpu_s": 2 * wall, "num_requests": 4, "output_tokens": 100, "identical_to_off": identical,
          "speculative": spec.spec_counters({}, {"num_drafts": verifies, "num_draft_tokens": drafted,
                                                 "num_accepted_tokens": accepted, "num_steps_off": off_steps}),
          "time": {"forward": 1.0, "verify": wall / 2, "draft": wall / 10, "schedule": 0.1}}
@@ -210,6 +210,7 @@ def test_summary_and_report_on_hand_made_runs():
     assert s["ngram"]["num_steps_off"] == 3 and s["ngram"]["identical_to_off"] == 3
     assert s["ngram"]["verify_s"] == pytest.approx(2.75)
     assert s["ngram"]["output_tokens_per_s"] == pytest.approx(100 / 5.5)
+    assert s["ngram"]["cpu_s"] == 11.0 and s["ngram"]["cpu_speedup_vs_off"] == pytest.approx(2.0)
 
     b1 = {"off": [_rec(3.0, tps=20.0)], "ngram": [_rec(2.0, 10, 9, 3, tps=50.0)]}
     sb = spec.summarize(b1, ["off", "ngram"])
@@ -221,7 +222,7 @@ def test_summary_and_report_on_hand_made_runs():
     text = spec.format_report(result)
     assert "| ngram | 50.0 | 2.50x |" in text
     assert "| random (4 req) | ngram | 5.50 | 2.00x |" in text
-    assert "| 60.0% | 3.00 | 3/" in text and "| 3/4 |" in text
+    assert "| 60.0% | 3.00 | 3/" in text and "| 3/4 | 11.00 | 2.00x |" in text
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     assert len({ln.count("|") for ln in lines[:4]}) == 1  # batch-1 table rows have the header's columns
 

@@ -23,7 +23,8 @@ order on even repetitions and reversed on odd ones (``--reps``), so a change in 
 alike; figures are medians over the repetitions.
 
 Reported per configuration and phase: the ratio vs speculation off (decode tokens/s ratio at batch 1,
-wall-time ratio off / on for a workload: above 1 is faster), the acceptance rate (accepted / drafted
+wall-time ratio off / on for a workload: above 1 is faster), the process's CPU seconds over the phase
+(``time.process_time``: steadier than wall time on a shared machine) and their ratio, the acceptance rate (accepted / drafted
 tokens) and mean accepted length (tokens per verify: accepted guesses + the target's own), steps
 where speculation was off / on, the ``draft`` and ``verify`` seconds of the engine's time account,
 and how many greedy outputs are token-for-token identical to speculation off's (lossless
@@ -220,6 +221,7 @@ def summarize(phase: dict, configs: Sequence[str]) -> dict:
         return rec["batch1"][key] if batch1 else rec[key]
 
     off = _median(figure(r) for r in phase[OFF]) if OFF in phase else None
+    off_cpu = _median(r.get("cpu_s") for r in phase[OFF]) if OFF in phase else None
     out = {}
     for c in configs:
         reps = phase[c]
@@ -234,6 +236,8 @@ def summarize(phase: dict, configs: Sequence[str]) -> dict:
             "mean_accepted_length": sc["mean_accepted_length"],
             "num_steps_off": sc["num_steps_off"],
             "num_steps_on": sc["num_steps_on"],
+            "cpu_s": _median(r.get("cpu_s") for r in reps),
+            "cpu_speedup_vs_off": speedup(off_cpu, _median(r.get("cpu_s") for r in reps), higher_is_better=False),
             "draft_s": _median(r["time"]["draft"] for r in reps),
             "verify_s": _median(r["time"]["verify"] for r in reps),
             "identical_to_off": min(r["identical_to_off"] for r in reps),
@@ -263,12 +267,14 @@ def _row(name: str, s: dict, main: str) -> list[str]:
             _fmt(s["speedup_vs_off"], "{:.2f}x"), _fmt(s["output_tokens_per_s"], "{:.1f}"),
             _fmt(None if s["acceptance_rate"] is None else 100 * s["acceptance_rate"], "{:.1f}%"),
             _fmt(s["mean_accepted_length"]), f"{s['num_steps_off']}/{s['num_steps_on']}",
-            _fmt(s["draft_s"]), _fmt(s["verify_s"]), f"{s['identical_to_off']}/{s['num_requests']}"]
+            _fmt(s["draft_s"]), _fmt(s["verify_s"]), f"{s['identical_to_off']}/{s['num_requests']}",
+            _fmt(s.get("cpu_s")), _fmt(s.get("cpu_speedup_vs_off"), "{:.2f}x")]
 
 
 def format_report(result: dict) -> str:
     """Markdown: a batch-1 table and one table row per (workload, configuration)."""
-    common = ["acceptance", "mean accepted len", "steps spec off/on", "draft s", "verify s", "identical to off"]
+    common = ["acceptance", "mean accepted len", "steps spec off/on", "draft s", "verify s", "identical to off",
+              "process CPU s", "CPU vs off"]
     lines = [f"## idleless bench spec: {', '.join(result['configs'])} "
              f"({result['host']['cpu']}, torch {result['host']['torch']}, {result['date']})", ""]
     b = result.get("batch1")
@@ -290,7 +296,9 @@ def format_report(result: dict) -> str:
                   markdown_table(["workload", "config", "wall s", "vs off", "out tok/s"] + common, rows)]
     lines += ["", "vs off: decode tok/s ratio at batch 1, wall-time ratio off/on for workloads (above 1: faster); "
                   "acceptance = accepted / drafted tokens; mean accepted len = tokens per verify step; "
-                  "identical = greedy outputs token for token equal to speculation off's (fewest over repetitions)"]
+                  "identical = greedy outputs token for token equal to speculation off's (fewest over repetitions); "
+                  "process CPU s = the process's CPU seconds over the phase (all its threads; steadier than wall time "
+                  "on a shared machine), CPU vs off = off's / this one's"]
     return "\n".join(lines)
 
 
@@ -418,9 +426,11 @@ def _phase(cores: _Cores, configs: dict, reps: int, run_fn, warm_ids: Sequence[i
             warmup(core, warm_ids)
             load0 = load_avg()
             s0 = core.stats()
+            c0 = time.process_time()
             wall, runs = run_fn(core)
+            cpu = time.process_time() - c0
             s1 = core.stats()
-            rec = {"wall_s": wall, "num_requests": len(runs), "output_tokens": sum(len(x.output_ids) for x in runs),
+            rec = {"wall_s": wall, "cpu_s": cpu, "num_requests": len(runs), "output_tokens": sum(len(x.output_ids) for x in runs),
                    "speculative": spec_counters(s0.get("speculative") or {}, s1.get("speculative") or {}),
                    "time": time_buckets(s0.get("time") or {}, s1.get("time") or {}),
                    "from_outputs": accepted_from_outputs(runs),
@@ -429,7 +439,7 @@ def _phase(cores: _Cores, configs: dict, reps: int, run_fn, warm_ids: Sequence[i
                    "load_avg_1m_before": load0, "load_avg_1m_after": load_avg()}
             outs[n] = runs
             recs[n].append(rec)
-            _log(f"{label} [{n}] rep {r}: {wall:.2f} s, {rec['output_tokens']} tokens, "
+            _log(f"{label} [{n}] rep {r}: {wall:.2f} s ({cpu:.2f} s CPU), {rec['output_tokens']} tokens, "
                  f"acceptance {_fmt(rec['speculative']['acceptance_rate'])}")
             del core
             gc.collect()  # the engine's cycles (~3 GiB with its KV pools) before the next one loads
