@@ -8,6 +8,8 @@ speculative configuration alternated (the order reversed every other pair).
         --workload ../shared/workloads/random.json -- --speculative-algorithm draft \\
         --speculative-draft-weight-dtype int4
     .venv/bin/python benchmarks/spec_cpu_ab.py --pairs 3 --mode at_once --n 4 ... (the first n submitted together)
+    .venv/bin/python benchmarks/spec_cpu_ab.py --pairs 3 --mode workload --workload ../shared/workloads/shared_prefix.json \
+        -- --speculative-algorithm ngram                         (every request at once, shuffled with seed 0)
 
 Arguments after ``--`` go to the speculative engine only; ``--common`` flags (a quoted string) to
 both. One JSON line per run on stdout, then spec / off per pair (above 1: speculation is faster).
@@ -28,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def child(a) -> dict:
-    from idleless.bench.offline import load_workload
+    from idleless.bench.offline import load_workload, shuffled
     from idleless.bench.spec import _Cores, drive, run_batch1, warmup
     from idleless.config import add_cli_args, config_from_args
 
@@ -37,7 +39,7 @@ def child(a) -> dict:
     flags = ["--num-threads", str(a.threads)] + shlex.split(a.common) + (a.spec if a.arm == "spec" else [])
     cfg = config_from_args(p.parse_args(flags))
     wl = load_workload(a.workload)
-    items = wl.items[:a.n]
+    items = shuffled(wl.items, 0) if a.mode == "workload" else wl.items[:a.n]
     core = _Cores().build(cfg)
     warmup(core, wl.items[0].prompt_ids)
     s0 = core.stats().get("speculative") or {}
@@ -56,7 +58,9 @@ def child(a) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--mode", choices=("batch1", "at_once"), default="batch1")
+    ap.add_argument("--mode", choices=("batch1", "at_once", "workload"), default="batch1",
+                    help="batch1: the first n one at a time; at_once: the first n submitted together; workload: "
+                         "every request submitted together, shuffled with seed 0 (as bench spec / offline)")
     ap.add_argument("--n", type=int, default=4, help="the workload's first n requests")
     ap.add_argument("--workload", default=os.path.join(HERE, "..", "..", "shared", "workloads", "random.json"))
     ap.add_argument("--threads", type=int, default=1)

@@ -308,3 +308,75 @@ def test_the_plain_step_is_measured_again_now_and_then():
             on += 1
     assert plain_at == expect and len(plain_at) > 2000 // (PLAIN_REFRESH * WINDOW + 1)
     assert ctl.step_cost.predict(2) == pytest.approx(0.05)
+
+
+class Clock:
+    """A scripted CPU clock: ``advance`` moves it; calls read it."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, s):
+        self.t += s
+
+
+def test_a_cpu_clock_times_steps_between_observations_less_drafting_capped_by_wall():
+    clock = Clock()
+
+    class Drafting(Fixed):
+        def propose(self, requests, max_tokens):
+            clock.advance(0.3)  # drafting's CPU seconds, not the step's
+            return super().propose(requests, max_tokens)
+
+    ctl = AdaptiveProposer(Drafting(), max_draft=2, adaptive=False, clock=clock, clock_threads=2)
+    clock.advance(5.0)  # loading, warm-up: before the first observation, never a step's cost
+    ctl.observe_step(1, 0, 0.1)
+    assert ctl.step_cost.samples(1) == 0
+    clock.advance(0.05)
+    ctl.propose([rec("a")], [2])
+    clock.advance(0.15)
+    ctl.observe_step(3, 2, 0.4)  # 0.5 s of CPU since the last observation, 0.3 of it drafting
+    clock.advance(0.25)
+    ctl.observe_step(3, 2, 0.4)
+    clock.advance(3.0)  # a gap of other work: capped at the step's wall seconds x threads (0.4 x 2)
+    ctl.observe_step(3, 2, 0.4)
+    assert [t for _, t in ctl.step_cost._buckets[3]] == pytest.approx([0.2, 0.25, 0.8])
+    assert ctl.draft_step_cost._buckets[1][0][1] == pytest.approx(0.3 / 2)  # depth 2, on the same clock
+
+
+def test_busy_plain_steps_on_the_wall_clock_turn_speculation_on_and_cpu_time_keeps_it_off():
+    """The shared_prefix case (1 thread, bf16, AMD EPYC Zen 4, load ~5): plain 64-token steps cost
+    0.22 s of CPU, a verify of 64 + m tokens 0.22 * (64 + m) / 64 (compute-bound: verify tokens are not
+    free), acceptance 0.5; the wall clock measured plain steps on a busy minute (x4.5) and verifies on a
+    quieter one (x2). On the wall clock the controller speculates, losing CPU time; on the CPU clock it
+    keeps every step plain."""
+    cpu = lambda n: 0.22 * n / 64  # noqa: E731
+    reqs = [rec(f"r{i}") for i in range(64)]
+
+    def run(clock):
+        ctl = AdaptiveProposer(Fixed(), max_draft=6, clock=clock, clock_threads=1)
+        for r in reqs:
+            for _ in range(3):
+                ctl.observe(r, 4, 2)  # acceptance about 0.5
+        spent = tokens = 0.0
+        for step in range(40):
+            drafts = ctl.propose(reqs, [100] * 64)
+            m = sum(map(len, drafts))
+            c = cpu(64 + m)
+            wall = c * (4.5 if m == 0 else 2.0)
+            if clock is not None:
+                clock.advance(c)
+            ctl.observe_step(64 + m, m, wall)
+            spent += c
+            tokens += 64 + sum(expected_tokens(0.5, len(d)) - 1 for d in drafts)
+        return ctl.num_steps_on, tokens / spent
+
+    on_wall, rate_wall = run(None)
+    on_cpu, rate_cpu = run(Clock())
+    assert on_wall > 0 and rate_wall < 64 / cpu(64)  # the wall clock's decisions cost CPU per token
+    # on the CPU clock: only the probes that measure the verify bucket (flat above the largest
+    # measured step, MIN_SAMPLES of them), then plain
+    assert on_cpu == MIN_SAMPLES and on_wall > 3 * on_cpu and rate_cpu > rate_wall

@@ -6,7 +6,7 @@ step is an ordinary extend and acceptance happens in ``Scheduler.commit``.
 (``draft.DraftModelProposer``: a smaller model with its own KV pool and radix cache, or the target
 itself at ``--speculative-draft-weight-dtype`` int4/int8/fp8, the self-draft), wrapped in
 ``adaptive.AdaptiveProposer`` (per-request draft length from an acceptance EMA, and speculation
-switched off for a step when a measured cost model says plain decoding is faster)."""
+switched off for a step when a cost model measured in process CPU time says plain decoding is faster)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def make_proposer(config, runner) -> Proposer:
     else:
         from idleless.spec.draft import DraftModelProposer
         inner = DraftModelProposer(config, runner)
+    import time
+
+    import torch
+
     from idleless.spec.adaptive import AdaptiveProposer
+    # costs in process CPU time (adaptive.AdaptiveProposer: wall time on a shared machine measures the load)
     return AdaptiveProposer(inner, config.speculative_num_draft_tokens,
-                            adaptive=not config.speculative_disable_adaptive)
+                            adaptive=not config.speculative_disable_adaptive, clock=time.process_time,
+                            clock_threads=torch.get_num_threads())

@@ -33,7 +33,10 @@ without drafts decays, so a request is probed again a while after its guesses st
 exploration of UCB1, Auer et al. 2002). A plain step of the batch's size is always measured before
 a verify is judged against it (until its bucket holds ``MIN_SAMPLES`` steps, speculation is off): a
 verify must never be compared with a guess of what plain decoding costs; and it is measured again
-now and then (``PLAIN_REFRESH``), so one taken on a busy moment or at a shorter context is corrected. The step-cost model is flat
+now and then (``PLAIN_REFRESH``), so one taken on a busy moment or at a shorter context is corrected. Costs
+are in process CPU seconds where the engine passes that clock (``clock``): on a shared machine the wall
+time of a step is mostly the other jobs' and moves by several times between a plain step and a verify
+measured minutes apart. The step-cost model is flat
 above the largest measured step, so a larger verify is assumed no dearer than that and gets tried
 (and measured).
 """
@@ -144,8 +147,19 @@ class AdaptiveProposer(Proposer):
     adaptive=False always asks for max_draft (bounded by the scheduler's room) and never switches off.
     ``stats()``: counters for /metrics and the offline report (see its docstring)."""
 
-    def __init__(self, inner: Proposer, max_draft: int, adaptive: bool = True):
+    def __init__(self, inner: Proposer, max_draft: int, adaptive: bool = True, clock=None, clock_threads: int = 1):
         self.inner = inner
+        # The cost model's clock. None: the step seconds the scheduler reports and the wall clock around
+        # drafting. A CPU clock (``time.process_time``, what the engine passes): a step's cost is the CPU
+        # seconds between two ``observe_step`` calls less the drafting's, at most the reported step
+        # seconds times ``clock_threads`` (the torch threads; so a gap between steps cannot count).
+        # On a shared machine a step's wall time is mostly the other jobs: at 1 thread and load ~5 on
+        # AMD EPYC Zen 4 a plain 64-token step took 0.22-1.05 s of wall for 0.21-0.27 s of CPU, and plain
+        # steps and verifies measured minutes apart compared the load, not the steps.
+        self.clock = clock
+        self.clock_threads = max(1, clock_threads)
+        self._clock_mark = None  # the clock at the last observe_step
+        self._clock_draft = 0.0  # the clock's drafting seconds since then
         self.name = inner.name
         self.max_draft = max_draft
         self.adaptive = adaptive
@@ -256,13 +270,19 @@ class AdaptiveProposer(Proposer):
             self._drift(requests)
             return [[] for _ in requests]
         self._on_since_plain += 1
+        c0 = self.clock() if self.clock is not None else None
         t0 = time.perf_counter()
         drafts = [list(d[:k]) for d, k in zip(self.inner.propose(requests, ks), ks)]
-        dt = time.perf_counter() - t0
-        self.draft_seconds += dt
+        wall = dt = time.perf_counter() - t0
+        self.draft_seconds += wall
+        if c0 is not None:
+            dt = max(self.clock() - c0, 0.0)
+            self._clock_draft += dt
         depth = max(map(len, drafts))
         if depth:
             catchup = self.inner.last_catchup_s  # a prompt caught up: its forward is no draft step
+            if catchup and c0 is not None:  # the proposer times it on the wall clock: its share of dt
+                catchup = dt * min(1.0, catchup / wall) if wall > 0 else 0.0
             if catchup:
                 self.catchup_cost.add(self.inner.last_catchup_tokens, catchup)
             if not catchup:
@@ -296,7 +316,17 @@ class AdaptiveProposer(Proposer):
         self.inner.observe(request, num_proposed, num_accepted)
 
     def observe_step(self, num_tokens: int, num_proposed: int, step_s: float) -> None:
-        self.step_cost.add(num_tokens, step_s)
+        """One executed step of ``num_tokens`` tokens (``num_proposed`` of them guesses) that took
+        ``step_s`` seconds outside drafting (wall clock, the scheduler's). Its cost enters the model
+        in the model's clock (``clock``; the first step with a CPU clock only starts it)."""
+        if self.clock is None:
+            self.step_cost.add(num_tokens, step_s)
+        else:
+            now = self.clock()
+            if self._clock_mark is not None:
+                cost = now - self._clock_mark - self._clock_draft
+                self.step_cost.add(num_tokens, min(max(cost, 0.0), step_s * self.clock_threads))
+            self._clock_mark, self._clock_draft = now, 0.0
         self.inner.observe_step(num_tokens, num_proposed, step_s)
 
     def finish(self, request) -> None:
