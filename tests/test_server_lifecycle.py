@@ -137,7 +137,7 @@ def test_engine_core_death(servers):
     assert errors and errors[0]["error"]["code"] == "engine_dead", out[-3:]
     try:
         assert httpx.get(victim.url + "/health", timeout=5).status_code == 503
-    except httpx.ConnectError:
-        pass  # already gone
+    except httpx.TransportError:
+        pass  # already gone, or closing: refused, or disconnected mid-answer (seen on a loaded Zen 4)
     assert victim.proc.wait(timeout=60) != 0
     assert "engine core process died" in victim.log()
