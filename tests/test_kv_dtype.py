@@ -392,7 +392,10 @@ def test_scale_file_round_trip_and_refusals(tiny, tmp_path):
     ref = _runner(tiny, "fp8_e4m3", skip_quantization_gate=True)
     path = str(tmp_path / "kv.json")
     kv_scales.save_scale_file(path, ref.pool.k_head_scale, ref.pool.v_head_scale, "fp8_e4m3")
-    r = _runner(tiny, "fp8_e4m3", skip_quantization_gate=True, quantization_param_path=path)
+    # with the accuracy gate on (its float reference must not be handed the fp8 file: a fresh-clone
+    # server with a valid file failed to start)
+    r = _runner(tiny, "fp8_e4m3", quantization_param_path=path)
+    assert r.precision["gate"] == "passed" and r.precision["kl"] is not None
     assert torch.equal(r.pool.k_head_scale, ref.pool.k_head_scale)
     assert torch.equal(r.pool.v_head_scale, ref.pool.v_head_scale)
     L, Hkv = ref.pool.k_head_scale.shape

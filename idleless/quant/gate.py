@@ -90,7 +90,9 @@ def reference_runner(runner, num_tokens: int):
 
     mc, cfg = runner.model_config, runner.config
     per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, runner.dtype)
+    # the reference's KV is in the model dtype: a static fp8 scale file is not its to read
     ref_cfg = replace(cfg, weight_dtype="bf16", activation_dtype="bf16", kv_cache_dtype="auto",
+                      quantization_param_path=None,
                       kv_cache_memory=per_token * (num_tokens + cfg.page_size))
     return ModelRunner(ref_cfg)
 

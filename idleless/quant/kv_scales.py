@@ -199,7 +199,9 @@ def resolve(runner, num_heads: int, num_kv_heads: int) -> Optional[tuple[torch.T
     if cfg.kv_cache_dtype not in STATIC_SCALE_FORMATS:
         if path:
             raise ValueError(f"--quantization-param-path holds static KV scales for fp8; --kv-cache-dtype "
-                             f"{cfg.kv_cache_dtype} takes none (int8 scales are per token, computed when written)")
+                             f"{cfg.kv_cache_dtype} takes none"
+                             + (" (int8 scales are per token, computed when written)" if cfg.kv_cache_dtype == "int8"
+                                else " (give --kv-cache-dtype fp8_e4m3 or fp8_e5m2 with it)"))
         return None
     if path:
         k, v = load_scale_file(path, runner.model_config.num_hidden_layers, num_kv_heads, cfg.kv_cache_dtype)
