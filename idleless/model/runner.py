@@ -108,7 +108,9 @@ class ModelRunner:
     AMX-packed) and the composite attention ``backend``. Raises FileNotFoundError / ValueError from the
     loader (missing files, unsupported architecture) and ValueError if the KV budget holds no page."""
 
-    def __init__(self, config: EngineConfig, tp=None):
+    def __init__(self, config: EngineConfig, tp=None, kv_scales_override=None):
+        # kv_scales_override: (k, v) float32 [L, Hkv] static fp8 KV scales to use instead of resolving them
+        # (a self-draft reads its target's, so the K/V bytes it copies mean the same values)
         t0 = time.perf_counter()
         self.model_dir = prepare_model_dir(config.model)
         self.model_config = mc = load_model_config(self.model_dir)
@@ -154,7 +156,8 @@ class ModelRunner:
         num_slots = int(config.kv_cache_bytes() // per_token)
         # an fp8 KV cache's static scales per layer and KV head: --quantization-param-path's, or calibrated
         # here on the gate's built-in text (idleless.quant.kv_scales); None for the other formats
-        self.kv_scales = kv_scales.resolve(self, heads, kv_heads)
+        self.kv_scales = kv_scales_override if kv_scales_override is not None else \
+            kv_scales.resolve(self, heads, kv_heads)
         self.pool = KVPool(mc.num_hidden_layers, kv_heads, mc.head_dim, num_slots,
                            self.dtype, config.device, config.page_size, cache_dtype=config.kv_cache_dtype,
                            kv_scales=self.kv_scales, kernels=self.kernels)  # --disable-cpu-kernels: none

@@ -24,14 +24,12 @@ the draft's slots rather than recomputed at the draft's precision (a 4-bit prefi
 more than the target's float one). The draft then computes only its own guesses; what it attends to
 for the rest is the target's more exact K/V, which changes only which tokens it guesses, never
 what the target accepts. With an fp8 KV cache the draft's pool holds the target's static per-head
-scales (read from them rather than calibrated on the draft's weights), so the copied bytes mean the
+scales (handed to its runner rather than calibrated on the draft's weights), so the copied bytes mean the
 same values; pools whose scales differ anyway are not shared (the draft catches up).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
@@ -72,19 +70,15 @@ def _same_layout(a, b) -> bool:
     return torch.equal(ka, kb) and torch.equal(a.v_head_scale, b.v_head_scale)
 
 
-def _target_scales_file(config: EngineConfig, target_runner, directory: str) -> dict:
-    """For a self-draft over an fp8 KV cache whose target calibrated its static scales: the config
-    change that has the draft read the target's scales (``--quantization-param-path``, a file written
-    in ``directory``) instead of calibrating its own with its lower-precision weights, whose scales
-    would differ and mis-scale the K/V copied from the target. {} otherwise (no static scales, or the
-    target's scales came from a file the draft's config names too)."""
+def _target_scales(config: EngineConfig, target_runner) -> Optional[tuple]:
+    """For a self-draft over an fp8 KV cache whose target calibrated its static scales: the target's
+    (k, v) scales, float32 [L, Hkv], for the draft's pool (its own calibration with lower-precision
+    weights would differ and mis-scale the K/V copied from the target). None otherwise (no static
+    scales, or they came from a file the draft's config names too)."""
     pool = getattr(target_runner, "pool", None)
     if getattr(pool, "k_head_scale", None) is None or config.quantization_param_path:
-        return {}
-    from idleless.quant import kv_scales
-    path = os.path.join(directory, "target_kv_scales.json")
-    kv_scales.save_scale_file(path, pool.k_head_scale.cpu(), pool.v_head_scale.cpu(), config.kv_cache_dtype)
-    return {"quantization_param_path": path}
+        return None
+    return pool.k_head_scale.cpu(), pool.v_head_scale.cpu()
 
 
 def check_self_draft(draft_weight_dtype: str, target_weight_dtype: Optional[str]) -> None:
@@ -165,14 +159,13 @@ class DraftModelProposer(Proposer):
         # the draft runner's config: no speculation of its own (the speculative_* fields at their defaults,
         # so it logs no "set without --speculative-algorithm" warning)
         plain = {f.name: f.default for f in fields(EngineConfig) if f.name.startswith("speculative_")}
-        with tempfile.TemporaryDirectory(prefix="idleless-draft-") as tmp:
-            # a self-draft copies the target's fp8 K/V bytes: its pool must read them with the target's scales
-            scales = {} if path else _target_scales_file(config, target_runner, tmp)
-            self.runner = ModelRunner(replace(config, **plain, model=draft_dir,
-                                              kv_cache_memory=config.speculative_draft_kv_cache_memory,
-                                              context_length=target_runner.context_length,
-                                              skip_quantization_gate=True,  # its accuracy is its acceptance rate
-                                              **precision, **scales))
+        # a self-draft copies the target's fp8 K/V bytes: its pool must read them with the target's scales
+        self.runner = ModelRunner(replace(config, **plain, model=draft_dir,
+                                          kv_cache_memory=config.speculative_draft_kv_cache_memory,
+                                          context_length=target_runner.context_length,
+                                          skip_quantization_gate=True,  # its accuracy is its acceptance rate
+                                          **precision),
+                                  kv_scales_override=None if path else _target_scales(config, target_runner))
         self.pool = self.runner.pool
         # a draft step reads the draft's weights as a target step reads the target's: their ratio in bytes
         # (a self-draft at int4: about a quarter), 1 (pessimistic) for a target runner without a model
@@ -313,7 +306,7 @@ class DraftModelProposer(Proposer):
         """Copy the target's K/V (and scales) of ``count`` tokens after ``seq``'s computed ones from
         ``rec.slots`` into ``seq.slots`` (already grown), every layer at once; they count as computed.
         Per-token scales (int8) are copied with the rows; static ones (fp8) are equal in both pools
-        (``_same_layout``: the draft reads the target's, ``_target_scales_file``) and stay."""
+        (``_same_layout``: the draft takes the target's, ``_target_scales``) and stay."""
         a, b = seq.num_computed, seq.num_computed + count
         src, dst = rec.slots[a:b], seq.slots[a:b]
         for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
