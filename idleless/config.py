@@ -61,10 +61,11 @@ def available_memory_bytes() -> float:
     return 8 * 1024**3
 
 
-def option(default, help: str, *aliases: str):
+def option(default, help: str, *aliases: str, negative: Optional[str] = None):
     """An EngineConfig field whose ``--help`` text and extra flag names (the names SGLang and vLLM
-    users type for the same setting) live in its metadata; ``add_cli_args`` reads them."""
-    return field(default=default, metadata={"help": help, "aliases": aliases})
+    users type for the same setting) live in its metadata; ``add_cli_args`` reads them. negative: for a
+    boolean whose default may be on, the flag that turns it off (``--disable-...``)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "negative": negative})
 
 
 @dataclass
@@ -84,8 +85,10 @@ class EngineConfig:
     disable_decode_graph: bool = option(False, "run batches of up to 64 tokens through the model's modules "
                                         "instead of the decode graph (the same calls over preallocated buffers; "
                                         "SGLang's --disable-cuda-graph, vLLM's --enforce-eager)")
-    enable_deterministic_inference: bool = option(False, "batch-invariant kernels: a position's logits depend on "
-                                                  "its tokens only, not on the batch, cache or chunking")
+    enable_deterministic_inference: Optional[bool] = option(
+        None, "batch-invariant kernels: a position's logits depend on its tokens only, not on the batch, cache or "
+        "chunking (default: on in bfloat16 / float16, off in float32; off with a log line for sliding-window "
+        "models, which have no batch-invariant attention yet)", negative="--disable-deterministic-inference")
     seed: int = option(0, "engine random seed (SGLang's --random-seed); a request without its own seed still "
                        "draws a random sampling key", "--random-seed")
     context_length: Optional[int] = option(None, "most tokens (prompt + output) of a request (default: the "
@@ -283,7 +286,8 @@ def tensor_parallel_size(value: str) -> int:
 
 
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--kebab-case`` flag per EngineConfig field (booleans become store_true flags), with
+    """Add one ``--kebab-case`` flag per EngineConfig field (booleans become store_true flags, plus the
+    field's ``negative`` store_false flag where it has one), with
     its help and its SGLang / vLLM names from the field's metadata (``option``), plus
     ``--mem-fraction-static`` / ``--gpu-memory-utilization`` (a fraction for ``kv_cache_memory``)
     and ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp`` (metavar N). Fields in ``skip`` get no flag."""
@@ -295,8 +299,11 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
         default = f.default if f.default is not dataclasses.MISSING else None
         help = f.metadata.get("help", "") + ("" if default is None or default is False else f" (default: {default})")
         typ = hints[f.name]
-        if typ is bool:
+        if typ in (bool, Optional[bool]):
             parser.add_argument(*flags, action="store_true", default=default, dest=f.name, help=help)
+            if f.metadata.get("negative"):
+                parser.add_argument(f.metadata["negative"], action="store_false", default=argparse.SUPPRESS,
+                                    dest=f.name, help=f"turn {flags[0]} off")
         else:
             base = int if typ in (int, Optional[int]) else float if typ in (float, Optional[float]) else str
             parser.add_argument(*flags, type=base, default=default, dest=f.name, help=help)

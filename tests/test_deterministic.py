@@ -380,3 +380,60 @@ def test_head_dim_64_alone_beside_others_and_chunked_change_nothing(det_model_d6
     assert all(v == ref for v in out.values())
     core = _core(det_model_d64, True, slots=slots, chunked_prefill_size=64, page_size=16)
     assert _drive(core, _others()[:5] + [Request("p", PROMPT, GREEDY)])["p"] == ref
+
+
+# ---- the default (issue 11: invariant by default in bfloat16) ----
+def test_the_default_resolves_on_in_half_precision_and_off_in_float32(caplog):
+    """``enable_deterministic_inference`` None (the default) is on in bfloat16 / float16, off in float32, and
+    off with a log line for a sliding-window model; an explicit True / False wins."""
+    from idleless.model.runner import resolve_deterministic
+
+    assert resolve_deterministic(None, torch.bfloat16, None) and resolve_deterministic(None, torch.float16, None)
+    assert not resolve_deterministic(None, torch.float32, None)
+    assert resolve_deterministic(True, torch.float32, None) and not resolve_deterministic(False, torch.bfloat16, None)
+    with caplog.at_level("INFO", logger="idleless.model.runner"):
+        assert not resolve_deterministic(None, torch.bfloat16, 4096)
+    assert "sliding-window" in caplog.text
+    assert resolve_deterministic(True, torch.bfloat16, 4096)  # the attention backend then refuses it
+
+
+def test_cli_default_enable_and_disable_flags():
+    """No flag leaves the choice to the dtype (None); SGLang's --enable-deterministic-inference sets True,
+    --disable-deterministic-inference False; the last one given wins."""
+    import argparse
+
+    from idleless.config import add_cli_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    det = lambda *a: config_from_args(parser.parse_args(list(a))).enable_deterministic_inference  # noqa: E731
+    assert det() is None
+    assert det("--enable-deterministic-inference") is True
+    assert det("--disable-deterministic-inference") is False
+    assert det("--disable-deterministic-inference", "--enable-deterministic-inference") is True
+
+
+def test_default_bf16_engine_gives_the_deterministic_answer_beside_others(det_model, reference):
+    """With no flag, a bfloat16 engine runs the batch-invariant kernels: the probe's greedy ids and logprob
+    bits beside 15 mixed requests (and from the cache) equal the explicitly deterministic engine's answer
+    alone; --disable-deterministic-inference leaves them to the default kernels."""
+    kernels, ref = reference
+    core = _core(det_model, kernels, enable_deterministic_inference=None)
+    assert core.runner.deterministic
+    others = _others()
+    assert _drive(core, others[:9] + [Request("p", PROMPT, GREEDY)] + others[9:])["p"] == ref
+    assert _drive(core, [Request("p2", PROMPT, GREEDY)])["p2"] == ref
+    assert not _core(det_model, kernels, enable_deterministic_inference=False).runner.deterministic
+    assert not _core(det_model, kernels, dtype="float32", enable_deterministic_inference=None).runner.deterministic
+
+
+def test_a_sliding_window_model_loads_by_default_and_is_refused_when_asked(tmp_path):
+    """A Mistral-style model (sliding window) in bfloat16 loads with the default kernels (no batch-invariant
+    attention for a window yet), and an explicit --enable-deterministic-inference is a clear error."""
+    path = make_tiny_model(tmp_path, arch="mistral", sliding_window=8)
+    core = _core(path, cpu_kernels.load(torch.bfloat16) is not None, enable_deterministic_inference=None)
+    assert not core.runner.deterministic
+    out = _drive(core, [Request("p", PROMPT[:20], GREEDY)])["p"]
+    assert len(out[0]) == 24
+    with pytest.raises(ValueError, match="sliding-window"):
+        _core(path, False, enable_deterministic_inference=True)

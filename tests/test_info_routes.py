@@ -107,6 +107,8 @@ def test_get_server_info(server, http):
     assert (si["dtype"], si["kv_cache_memory"], si["num_threads"], si["log_level"]) == ("float32", "256MiB", 1,
                                                                                          "warning")
     assert si["max_running_requests"] == 256 and si["disable_radix_cache"] is False and si["model"] is None
+    # the resolved numerics mode: float32's default is the non-invariant kernels
+    assert si["enable_deterministic_inference"] is False and info["deterministic_inference"] is False
     assert si["model_path"] == si["tokenizer_path"] == info["model_path"]
     assert si["random_seed"] == si["seed"] == 0 and si["tp_size"] == 1 and si["dp_size"] == 1
     assert si["host"] == "127.0.0.1" and si["port"] == server.port

@@ -1,7 +1,7 @@
 """``idleless bench determinism``: one greedy prompt under 16 batch compositions; how many distinct
 outputs came back (the target is 1).
 
-    idleless bench determinism --dtype bfloat16 --enable-deterministic-inference     # in-process Engine
+    idleless bench determinism --dtype bfloat16     # in-process Engine (--disable-deterministic-inference: the other kernels)
     idleless bench determinism --url http://127.0.0.1:30000 --output det.json        # a running server
 
 The probe: one chat prompt (``--prompt``, default a short paragraph about Richard Feynman and a
@@ -510,7 +510,7 @@ def run(args: argparse.Namespace) -> dict:
         engine = Engine(config)
         target = OfflineTarget(engine)
         dtype = str(engine.core.runner.dtype).replace("torch.", "")
-        det = "on" if config.enable_deterministic_inference else "off"
+        det = "on" if engine.core.runner.deterministic else "off"
         result["target"] = f"offline Engine, {dtype}, deterministic inference {det}"
         result["engine_config"] = dataclasses.asdict(config)
         result["host"] = _host_info()

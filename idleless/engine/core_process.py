@@ -473,7 +473,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, extra_eos
                           max_running_requests=int(config.max_running_requests),
                           eos_token_ids=list(eos_ids),
                           load_seconds=float(getattr(r, "load_seconds", 0.0)),
-                          precision=getattr(r, "precision", None))
+                          precision=getattr(r, "precision", None),
+                          deterministic=bool(getattr(r, "deterministic", False)))
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the frontend
         log.error("engine core failed to start: %s", e)
         push.send(pickle.dumps([CoreFailed(f"{type(e).__name__}: {e}", traceback.format_exc())]))

@@ -262,7 +262,8 @@ class CoreReady:
     vocab_size: ids in [0, vocab_size) are valid; context_length and kv_slots are in tokens (a
     request needs prompt + max_tokens <= min(context_length, kv_slots - pinned tokens));
     load_seconds: model load; precision: the runner's ``precision`` (``idleless.quant.gate.precision_report``:
-    dtypes, bytes per weight, KV bytes per token, the accuracy gate's KL and top-1), None without one."""
+    dtypes, bytes per weight, KV bytes per token, the accuracy gate's KL and top-1), None without one;
+    deterministic: whether the batch-invariant kernels run (``runner.resolve_deterministic``)."""
 
     pid: int
     model_dir: str
@@ -275,6 +276,7 @@ class CoreReady:
     eos_token_ids: list[int]
     load_seconds: float
     precision: Optional[dict] = None
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -100,6 +101,24 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def resolve_deterministic(setting: Optional[bool], dtype: torch.dtype, sliding_window: Optional[int]) -> bool:
+    """Whether the batch-invariant kernels run (``enable_deterministic_inference``): True / False as set;
+    None (the default) -> on in bfloat16 / float16, where the default's GEMMs change their summation order
+    with the batch and a greedy answer would change with the traffic beside it, off in float32 (the
+    invariance is asked of half precision; float32's cost was measured high on AVX2-only CPUs); and off,
+    with a log line, for a sliding-window model, which has no batch-invariant attention yet (set
+    explicitly, the attention backend raises ValueError for it)."""
+    if setting is not None:
+        return setting
+    if dtype == torch.float32:
+        return False
+    if sliding_window is not None:
+        log.info("deterministic inference off: sliding-window attention has no batch-invariant backend yet "
+                 "(a greedy answer may change with the batch)")
+        return False
+    return True
+
+
 class ModelRunner:
     """Loads the model named by ``config.model`` and sizes the KV pool from ``config.kv_cache_memory``.
 
@@ -131,7 +150,9 @@ class ModelRunner:
         self.context_length = config.context_length or mc.max_position_embeddings
         self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
         self.ops = select_ops(self.kernels)
-        det = config.enable_deterministic_inference
+        # issue 11: batch-invariant numerics by default in half precision (``resolve_deterministic``)
+        self.deterministic = det = resolve_deterministic(config.enable_deterministic_inference, self.dtype,
+                                                         getattr(mc, "sliding_window", None))
         # precision (issue 14): --weight-dtype auto is the checkpoint's own format (native Q4_1 for the
         # bundled GGUF), --activation-dtype, --kv-cache-dtype; quantised methods are chosen here too
         self.weight_dtype = config.weight_dtype if config.weight_dtype != "auto" else (

@@ -10,7 +10,7 @@ model file is untouched): each module's ``ops`` becomes a ``KernelOps`` around i
 backend, the embedding an ``EmbeddingFn``, the sampler's log-softmax a ``TokenLogprobFn``; every
 parameter requires grad.
 
-With ``--enable-deterministic-inference`` the engine's logits of a position depend only on the tokens
+With deterministic inference (the default in bfloat16) the engine's logits of a position depend only on the tokens
 before it and the weights (DESIGN.md section 7, "Numerics"), so ``logprobs`` of (prompt, completion)
 pairs equal the rollout's logprobs (``max |train - rollout| == 0``) whatever batching, chunked prefill,
 prefix-cache hits or retraction the rollout went through. A rollout sampled with a quantised KV cache
@@ -87,10 +87,11 @@ def hf_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 class KernelPolicy:
     """The trainer's policy (module docstring). config: an ``EngineConfig`` with the rollout engine's
     model, dtype and kernels (its KV budget only sizes an unused pool: keep it small). Raises ValueError
-    without ``enable_deterministic_inference`` or with quantised weights or activations."""
+    when ``enable_deterministic_inference`` is off (set False, or the float32 default) or with quantised
+    weights or activations."""
 
     def __init__(self, config: EngineConfig):
-        if not config.enable_deterministic_inference:
+        if config.enable_deterministic_inference is False:
             raise ValueError("the kernel policy needs enable_deterministic_inference (its values must not "
                              "depend on the batch)")
         weights = config.weight_dtype if config.weight_dtype != "auto" else native_weight_dtype(config.model)
@@ -98,6 +99,9 @@ class KernelPolicy:
             raise ValueError(f"quantised weights ({weights}) or activations ({config.activation_dtype}) have "
                              "no float master copy to train")
         self.runner = ModelRunner(config)
+        if not self.runner.deterministic:  # the default resolved it off (float32, a sliding window)
+            raise ValueError(f"the kernel policy needs enable_deterministic_inference, off by default in "
+                             f"{self.runner.dtype} (set it, or run bfloat16)")
         self.model = make_trainable(self.runner.model)
         self.attention = self.runner.backend.extend_backend  # the deterministic composite's one backend
 

@@ -2,7 +2,7 @@
 computed by one plain forward of the whole sequence with the engine's own model code, kernels and
 logprob function, in a scratch KV pool of its own.
 
-With ``--enable-deterministic-inference`` the engine's logits of a position depend only on the tokens
+With deterministic inference (the default in bfloat16) the engine's logits of a position depend only on the tokens
 before it and the weights (batch-, chunk- and cache-invariant: DESIGN.md section 7, "Numerics"), so a
 lone forward of prompt + completion gives, bit for bit, the logprobs the engine returned when it sampled
 those tokens in whatever batch, chunks, cache hits or retractions (``max |train - rollout| == 0``, the
@@ -65,7 +65,7 @@ class SequenceScorer:
         pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, slot, r.dtype, r.config.device, page)
         backend = CompositeAttention(pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                      getattr(mc, "sliding_window", None), r.kernels,
-                                     deterministic=r.config.enable_deterministic_inference)
+                                     deterministic=r.deterministic)
         meta = backend.prepare(ext, [0] * len(ext), tables)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in ext])
         h = r.model.hidden_states(torch.tensor(ids, dtype=torch.int64), positions, backend, meta, torch.cat(tables),

@@ -173,7 +173,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             "num_inflight": client.num_inflight, "engine_pid": info.pid, "load_seconds": info.load_seconds,
             "system_fingerprint": settings.system_fingerprint, "stats": stats,
             "speculative_algorithm": ((stats or {}).get("speculative") or {}).get("algorithm"),
-            "precision": info.precision, "weight_version": version, **settings.extra_info})
+            "precision": info.precision, "deterministic_inference": info.deterministic,
+            "weight_version": version, **settings.extra_info})
 
     @app.get("/v1/loads")
     async def loads():
@@ -205,7 +206,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def get_server_info():
         """SGLang's server info: the server args (every EngineConfig field, also under SGLang's names
         ``model_path``, ``tokenizer_path``, ``random_seed``, with ``tp_size`` / ``dp_size`` 1, host and
-        port; never the API key), the scheduler info (``max_total_num_tokens``, ``max_req_input_len``),
+        port; never the API key; ``enable_deterministic_inference`` as the engine resolved it), the scheduler info (``max_total_num_tokens``, ``max_req_input_len``),
         ``internal_states`` (the engine's stats, one entry per engine; empty when it does not answer)
         and ``version``."""
         try:
@@ -214,7 +215,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             states = []
         cfg = client.config
         return JSONResponse({
-            **dataclasses.asdict(cfg), "model_path": settings.model_path,
+            **dataclasses.asdict(cfg), "enable_deterministic_inference": client.info.deterministic,  # as resolved
+            "model_path": settings.model_path,
             "tokenizer_path": cfg.tokenizer or settings.model_path, "random_seed": cfg.seed,
             "tp_size": cfg.tensor_parallel_size,
             "dp_size": 1, **settings.extra_info, "max_total_num_tokens": client.info.kv_slots,
