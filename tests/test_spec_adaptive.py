@@ -6,6 +6,7 @@ every draft-length vector; the acceptance estimate by hand-computed decayed coun
 from __future__ import annotations
 
 import itertools
+import random
 import types
 
 import pytest
@@ -140,8 +141,9 @@ def test_cold_start_measures_plain_steps_and_fixed_mode_asks_for_the_room():
     inner = Fixed()
     ctl = AdaptiveProposer(inner, max_draft=3)
     assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[], []]  # nothing measured: plain
-    for _ in range(2):
-        ctl.observe_step(2, 0, 0.05)  # plain steps of 2 tokens; verifies assumed no dearer (flat above)
+    ctl.observe_step(2, 0, 0.05)  # plain steps of 2 tokens; verifies assumed no dearer (flat above)
+    assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[], []]
+    ctl.observe_step(2, 0, 0.05)
     assert ctl.propose([rec("a"), rec("b")], [5, 1]) == [[7, 7, 7], [7]]
     fixed = AdaptiveProposer(Fixed(), max_draft=3, adaptive=False)
     fixed.step_cost = scripted_cost(lambda x: 0.01 * x, [1, 2, 4, 8])
@@ -291,6 +293,7 @@ def test_the_plain_step_is_measured_again_now_and_then():
     most WINDOW); the median soon is the quiet plain step's cost."""
     ctl = AdaptiveProposer(Fixed(), max_draft=3)
     for _ in range(MIN_SAMPLES):
+        ctl.propose([rec("a"), rec("b")], [5, 5])
         ctl.observe_step(2, 0, 0.5)
     plain_at = []
     for step in range(2000):
@@ -339,12 +342,32 @@ def test_a_cpu_clock_times_steps_between_observations_less_drafting_capped_by_wa
     ctl.propose([rec("a")], [2])
     clock.advance(0.15)
     ctl.observe_step(3, 2, 0.4)  # 0.5 s of CPU since the last observation, 0.3 of it drafting
+    ctl.propose([rec("a")], [2])  # 0.3 s of drafting
     clock.advance(0.25)
     ctl.observe_step(3, 2, 0.4)
+    ctl.propose([rec("a")], [2])
     clock.advance(3.0)  # a gap of other work: capped at the step's wall seconds x threads (0.4 x 2)
     ctl.observe_step(3, 2, 0.4)
     assert [t for _, t in ctl.step_cost._buckets[3]] == pytest.approx([0.2, 0.25, 0.8])
     assert ctl.draft_step_cost._buckets[1][0][1] == pytest.approx(0.3 / 2)  # depth 2, on the same clock
+
+
+def test_only_decode_steps_enter_the_step_cost():
+    """A step enters the model only when it is the last propose call's decoding requests, one token
+    each plus their guesses: a prefill step (no propose call: no decoding requests) and a step with a
+    prompt chunk beside the decodes (more tokens) are left out, and so is a step a retraction cut short."""
+    ctl = AdaptiveProposer(Fixed(), max_draft=2, adaptive=False)
+    ctl.observe_step(300, 0, 1.0)  # a prefill: no propose call
+    ctl.propose([rec("a"), rec("b")], [2, 0])
+    ctl.observe_step(4, 2, 0.05)  # 2 decodes + 2 guesses
+    ctl.propose([rec("a"), rec("b")], [2, 0])
+    ctl.observe_step(260, 2, 0.9)  # the same with a 256-token chunk beside it
+    ctl.propose([rec("a"), rec("b")], [2, 0])
+    ctl.observe_step(3, 2, 0.04)  # b was retracted
+    ctl.propose([rec("a"), rec("b")], [1, 0])
+    ctl.observe_step(3, 1, 0.06)
+    ctl.observe_step(3, 1, 0.06)  # no propose call since the last step
+    assert {b: [t for _, t in d] for b, d in ctl.step_cost._buckets.items()} == {3: [0.06], 4: [0.05]}
 
 
 def test_busy_plain_steps_on_the_wall_clock_turn_speculation_on_and_cpu_time_keeps_it_off():
@@ -380,3 +403,119 @@ def test_busy_plain_steps_on_the_wall_clock_turn_speculation_on_and_cpu_time_kee
     # on the CPU clock: only the probes that measure the verify bucket (flat above the largest
     # measured step, MIN_SAMPLES of them), then plain
     assert on_cpu == MIN_SAMPLES and on_wall > 3 * on_cpu and rate_cpu > rate_wall
+
+
+# -- start-up costs (idleless.spec.prime): the prior's shape, the run's level --------------------------
+def test_a_prior_alone_is_interpolated_and_extended_along_its_last_segment():
+    c = StepCost()
+    c.prime([(4, 0.04), (1, 0.02), (16, 0.10), (0, 5.0), (8, float("nan"))])  # bad pairs ignored
+    assert c.primed and c.predict(1) == pytest.approx(0.02)
+    assert c.predict(2) == pytest.approx(0.02 + 0.02 / 3)
+    assert c.predict(10) == pytest.approx(0.04 + 0.06 * 6 / 12)
+    assert c.predict(0.5) == pytest.approx(0.01)  # in proportion below the smallest
+    assert c.predict(28) == pytest.approx(0.10 + 0.005 * 12)  # the last segment's slope (0.06 / 12 per token)
+    flat = StepCost()
+    flat.prime([(1, 0.02), (16, 0.02), (64, 0.019)])
+    assert flat.predict(256) == pytest.approx(0.019)  # a falling last segment extends flat, never down
+
+
+def test_a_prior_adds_its_difference_to_the_nearest_measured_bucket():
+    """Outside the measured range the nearest trusted bucket's seconds plus the prior's difference: a
+    plain 4-token step measured at 0.060 s (0.040 s at start-up) predicts a 28-token verify at
+    0.060 + (0.160 - 0.040); below, never less than that bucket scaled down in proportion; between
+    measured buckets the run's own points are interpolated."""
+    c = StepCost()
+    c.prime([(1, 0.02), (4, 0.04), (28, 0.16), (64, 0.30)])
+    for _ in range(MIN_SAMPLES):
+        c.add(4, 0.060)
+    assert c.predict(4) == pytest.approx(0.060)
+    assert c.predict(28) == pytest.approx(0.060 + 0.12)
+    assert c.predict(2) == pytest.approx(0.060 - (0.04 - (0.02 + 0.02 / 3)))
+    assert c.predict(1) == pytest.approx(0.040)
+    c.add(4, 0.010), c.add(4, 0.010), c.add(4, 0.010)  # now 0.010 s: 0.010 - 0.02 < 0, so proportional
+    assert c.predict(1) == pytest.approx(0.0025)
+    for _ in range(MIN_SAMPLES):
+        c.add(64, 0.36)
+    assert c.predict(28) == pytest.approx(0.010 + 0.35 * 24 / 60)  # now between two measured buckets
+    assert c.predict(128) == pytest.approx(0.36 + 0.14 / 36 * 64)
+
+
+# the 4-requests-at-once case, deterministic bf16 target and W4A8 int4 self-draft at 1 thread on AMD EPYC
+# Zen 4 (start-up measurements, seconds of CPU): target steps by tokens, draft steps by requests
+ZEN4_TARGET = [(1, 0.0145), (2, 0.0182), (3, 0.0230), (4, 0.0267), (5, 0.0332), (6, 0.0180), (7, 0.0228),
+               (8, 0.0268), (16, 0.0425), (32, 0.0622), (64, 0.1139), (128, 0.2381)]
+ZEN4_DRAFT = [(1, 0.0074), (2, 0.0121), (3, 0.0164), (4, 0.0205), (5, 0.0243), (6, 0.0291), (7, 0.0337),
+              (8, 0.0381), (16, 0.0704), (32, 0.1406), (64, 0.2910)]
+
+
+def _interp(points, x):
+    c = StepCost()
+    c.prime(points)
+    return c.predict(x)
+
+
+def _scripted_run(primed: bool, batch: int, steps: int = 60, accept: float = 0.95):
+    """A controller over ``batch`` requests whose steps cost what the Zen 4 start-up measured (a
+    draft step 1.3x its measurement, as the run's extra bookkeeping made it), every guess accepted
+    with probability ``accept`` (seeded draws). Returns (steps with guesses,
+    tokens per CPU second, plain decoding's tokens per CPU second)."""
+    clock = Clock()
+
+    class Draft(Fixed):
+        cost_hint = 0.28  # the int4 / bf16 weight-byte ratio: the unprimed controller's guess
+
+        def propose(self, requests, max_tokens):
+            drafting = sum(1 for k in max_tokens if k)
+            clock.advance(max(max_tokens) * 1.3 * _interp(ZEN4_DRAFT, drafting) if drafting else 0.0)
+            return super().propose(requests, max_tokens)
+
+    ctl = AdaptiveProposer(Draft(), max_draft=6, clock=clock, clock_threads=1)
+    if primed:
+        ctl.step_cost.prime(ZEN4_TARGET)
+        ctl.draft_step_cost.prime(ZEN4_DRAFT)
+    reqs = [rec(f"r{i}") for i in range(batch)]
+    rng = random.Random(0)
+    ctl.observe_step(batch, 0, 1.0)  # starts the clock
+    spent = tokens = 0.0
+    for _ in range(steps):
+        c0 = clock.t
+        drafts = ctl.propose(reqs, [100] * batch)
+        m = sum(map(len, drafts))
+        draft_s = clock.t - c0
+        verify_s = _interp(ZEN4_TARGET, batch + m)
+        clock.advance(verify_s)
+        ctl.observe_step(batch + m, m, verify_s)
+        got = batch
+        for r, d in zip(reqs, drafts):
+            if d:
+                n = next((j for j in range(len(d)) if rng.random() >= accept), len(d))
+                ctl.observe(r, len(d), n)
+                got += n
+        spent += draft_s + verify_s
+        tokens += got
+    return ctl.num_steps_on, tokens / spent, batch / _interp(ZEN4_TARGET, batch)
+
+
+@pytest.mark.parametrize("batch", [3, 4, 6, 8])
+def test_start_up_costs_spare_the_probes_that_lose(batch):
+    """At 3-8 requests a W4A8 draft step costs about what a plain bf16 step does. Unprimed, the
+    controller probes (verifies assumed no dearer than the largest measured step, draft steps 0.28x a
+    target step: MIN_SAMPLES probes each) and loses CPU time. Primed, it drafts only where a plan pays
+    by the measured costs: at 6 and 8 requests never; at 3-4, guesses that fill the deterministic
+    kernels' 6-row block (a 6-token step costs less than a 4-token one there), and those plans win."""
+    on_cold, rate_cold, plain = _scripted_run(primed=False, batch=batch)
+    on_primed, rate_primed, _ = _scripted_run(primed=True, batch=batch)
+    assert on_cold >= MIN_SAMPLES and rate_cold < plain
+    if batch >= 6:
+        assert on_primed == 0 and rate_primed == pytest.approx(plain)
+    else:
+        assert on_primed > 0 and rate_primed > 1.1 * plain
+
+
+def test_start_up_costs_keep_batch_one_speculating():
+    """At one request the same costs make six guesses at acceptance 0.95 pay (a 7-token verify and six
+    1-row draft steps against seven plain steps): the primed controller, planning a request without
+    evidence at the optimistic rate, drafts from its first measured plain steps on and beats plain
+    decoding by more than 10%."""
+    on, rate, plain = _scripted_run(primed=True, batch=1)
+    assert on >= 50 and rate > 1.1 * plain

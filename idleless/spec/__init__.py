@@ -6,7 +6,8 @@ step is an ordinary extend and acceptance happens in ``Scheduler.commit``.
 (``draft.DraftModelProposer``: a smaller model with its own KV pool and radix cache, or the target
 itself at ``--speculative-draft-weight-dtype`` int4/int8/fp8, the self-draft), wrapped in
 ``adaptive.AdaptiveProposer`` (per-request draft length from an acceptance EMA, and speculation
-switched off for a step when a cost model measured in process CPU time says plain decoding is faster)."""
+switched off for a step when a cost model measured in process CPU time says plain decoding is faster;
+``prime.prime`` measures its step costs' shape at start-up)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def make_proposer(config, runner) -> Proposer:
 
     from idleless.spec.adaptive import AdaptiveProposer
     # costs in process CPU time (adaptive.AdaptiveProposer: wall time on a shared machine measures the load)
-    return AdaptiveProposer(inner, config.speculative_num_draft_tokens,
-                            adaptive=not config.speculative_disable_adaptive, clock=time.process_time,
-                            clock_threads=torch.get_num_threads())
+    from idleless.spec.prime import prime
+    ctl = AdaptiveProposer(inner, config.speculative_num_draft_tokens,
+                           adaptive=not config.speculative_disable_adaptive, clock=time.process_time,
+                           clock_threads=torch.get_num_threads())
+    prime(ctl, runner)  # start-up step costs: verifies and draft steps judged before any is tried
+    return ctl

@@ -60,8 +60,14 @@ IDLE_DECAY = 0.95
 # Pseudo-counts of the batch-wide acceptance rate in every request's estimate.
 PRIOR_WEIGHT = 2.0
 # Optimism in the planning rate: + OPTIMISM / sqrt(1 + evidence) (an upper confidence bound), so a
-# request whose guesses stopped paying is probed again once its decayed evidence has shrunk.
+# request whose guesses stopped paying is probed again once its decayed evidence has shrunk. With the
+# step costs measured at start-up (``idleless.spec.prime``) only the acceptance is unknown at first, and
+# OPTIMISM_PRIMED applies: a request without evidence is planned at the prior (0.5 before any verify)
+# + 0.5, so a draft that pays only at high acceptance (an int4 self-draft at one request: about 0.85 on
+# AMD EPYC Zen 4) is tried. Unprimed, the cost model is the optimistic part (a verify above the largest
+# measured step is assumed no dearer), and the smaller OPTIMISM applies.
 OPTIMISM = 0.3
+OPTIMISM_PRIMED = 0.5
 # Step-cost buckets: samples before a bucket is trusted, and how many recent ones its median covers
 # (a median, so a first step that builds caches or a step that met a busy machine does not move it).
 MIN_SAMPLES = 2
@@ -92,18 +98,26 @@ def _bucket(tokens: float) -> int:
 
 
 class StepCost:
-    """Seconds of a step as a function of its token count, learnt online.
+    """Seconds of a step as a function of its token count, learnt online, optionally shaped by a
+    start-up measurement (``prime``).
 
     Per bucket (one per token count up to ``EXACT_BUCKETS``, then one per power of two) the last
     ``WINDOW`` (tokens, seconds) samples; the bucket's point
     is their median tokens and median seconds. ``predict`` interpolates linearly between trusted
-    buckets (``MIN_SAMPLES`` samples); below the smallest it scales that bucket's time down in
-    proportion to the tokens, above the largest it is flat (a larger step is assumed no dearer than the
-    largest measured, so it gets tried and measured). None until a bucket is trusted."""
+    buckets (``MIN_SAMPLES`` samples). Outside the trusted range: without a prior, below the smallest
+    it scales that bucket's time down in proportion to the tokens, above the largest it is flat (a
+    larger step is assumed no dearer than the largest measured, so it gets tried and measured); with
+    a prior (start-up costs, ``prime``), the nearest trusted bucket's seconds plus the prior's
+    difference between the two token counts (the start-up measured what 24 more tokens cost, the run
+    the level of a step: its requests' context, scheduling, the load; a decode's attention grows with
+    its requests and their context, not with the guesses, so the difference is added, not scaled),
+    below the smallest bucket never less than its proportional share. None until a bucket is trusted or a prior
+    is set."""
 
     def __init__(self):
         self._buckets: dict[int, collections.deque] = {}  # bucket -> deque of (tokens, seconds)
         self._pts = None  # the trusted (tokens, seconds) points, sorted; rebuilt after an add
+        self._prior: list[tuple[float, float]] = []  # start-up (tokens, seconds), sorted by tokens
 
     def add(self, tokens: int, seconds: float) -> None:
         """One executed step: ``tokens`` (>= 1) computed in ``seconds``."""
@@ -112,26 +126,59 @@ class StepCost:
         self._buckets.setdefault(_bucket(tokens), collections.deque(maxlen=WINDOW)).append((float(tokens), seconds))
         self._pts = None
 
+    def prime(self, points) -> None:
+        """Set the prior: ``points``, (tokens >= 1, seconds > 0) pairs measured at start-up (the same
+        clock as ``add``); pairs with other values are ignored. Replaces an earlier prior."""
+        pts = sorted((float(x), float(t)) for x, t in points if x >= 1 and math.isfinite(t) and t > 0)
+        self._prior = [p for i, p in enumerate(pts) if i == 0 or p[0] > pts[i - 1][0]]
+
+    @property
+    def primed(self) -> bool:
+        return bool(self._prior)
+
+    def prior(self, tokens: float):
+        """The prior's seconds at ``tokens``: interpolated between its points, scaled down in
+        proportion below the smallest, extended along its last segment's (non-negative) slope above
+        the largest (measured costs grow with the tokens on a compute-bound device; on a device where
+        they do not, the measured slope is ~0). None without a prior."""
+        pts = self._prior
+        if not pts:
+            return None
+        i = bisect.bisect_left([x for x, _ in pts], tokens)
+        if i == 0:
+            return pts[0][1] * min(1.0, tokens / pts[0][0])
+        if i == len(pts):
+            if len(pts) == 1:
+                return pts[-1][1]
+            (x0, t0), (x1, t1) = pts[-2], pts[-1]
+            return t1 + max(0.0, (t1 - t0) / (x1 - x0)) * (tokens - x1)
+        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (tokens - x0) / (x1 - x0)
+
     def samples(self, tokens: float) -> int:
         """Samples (at most ``WINDOW``) in the bucket holding ``tokens`` (>= 1); trusted from ``MIN_SAMPLES``."""
         return len(self._buckets.get(_bucket(tokens), ()))
 
     def predict(self, tokens: float):
-        """Predicted seconds for a step of ``tokens`` tokens, or None before any bucket is trusted."""
+        """Predicted seconds for a step of ``tokens`` tokens, or None before any bucket is trusted
+        and without a prior."""
         if self._pts is None:
             pts = sorted((statistics.median(x for x, _ in b), statistics.median(t for _, t in b))
                          for b in self._buckets.values() if len(b) >= MIN_SAMPLES)
             self._pts = (pts, [x for x, _ in pts])
         pts, xs = self._pts
         if not pts:
-            return None
+            return self.prior(tokens)
         i = bisect.bisect_left(xs, tokens)
-        if i == 0:
-            return pts[0][1] * min(1.0, tokens / pts[0][0])
-        if i == len(pts):
-            return pts[-1][1]
-        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
-        return t0 + (t1 - t0) * (tokens - x0) / (x1 - x0) if x1 > x0 else t1
+        if 0 < i < len(pts):
+            (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+            return t0 + (t1 - t0) * (tokens - x0) / (x1 - x0) if x1 > x0 else t1
+        if i < len(pts) and xs[i] == tokens:
+            return pts[i][1]
+        x, t = pts[0] if i == 0 else pts[-1]
+        if self._prior:  # the nearest trusted bucket plus what the prior says the other tokens add
+            return max(t + self.prior(tokens) - self.prior(x), t * tokens / x if i == 0 else 0.0)
+        return t * min(1.0, tokens / x) if i == 0 else t
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -174,6 +221,7 @@ class AdaptiveProposer(Proposer):
         self.num_steps_on = 0
         self.num_steps_off = 0
         self._on_since_plain = 0  # steps with guesses since the last one without
+        self._step_batch = None  # decoding requests of this step's propose call (None: no call yet)
         self.draft_seconds = 0.0
         self.accepted_hist = [0] * (MAX_HIST + 1)
 
@@ -186,9 +234,11 @@ class AdaptiveProposer(Proposer):
         return (acc + PRIOR_WEIGHT * prior) / (acc + rej + PRIOR_WEIGHT)
 
     def planning_rate(self, rid: str) -> float:
-        """``acceptance(rid)`` plus the optimism bonus ``OPTIMISM / sqrt(1 + evidence)``, at most 1."""
+        """``acceptance(rid)`` plus the optimism bonus ``OPTIMISM / sqrt(1 + evidence)`` (``OPTIMISM_PRIMED``
+        once the step costs are primed), at most 1."""
         acc, rej = self._counts.get(rid, (0.0, 0.0))
-        return min(1.0, self.acceptance(rid) + OPTIMISM / math.sqrt(1.0 + acc + rej))
+        bonus = OPTIMISM_PRIMED if self.step_cost.primed else OPTIMISM
+        return min(1.0, self.acceptance(rid) + bonus / math.sqrt(1.0 + acc + rej))
 
     def draft_lengths(self, rates: Sequence[float], room: Sequence[int],
                       catchup: Sequence[int] = ()) -> list[int]:
@@ -262,6 +312,7 @@ class AdaptiveProposer(Proposer):
         return t
 
     def propose(self, requests: Sequence, max_tokens: Sequence[int]) -> list[list[int]]:
+        self._step_batch = len(requests)
         catchup = self.inner.catchup_tokens(requests) if self.adaptive else ()
         ks = self.draft_lengths([self.planning_rate(r.rid) for r in requests], max_tokens, catchup)
         if not any(ks):
@@ -318,12 +369,19 @@ class AdaptiveProposer(Proposer):
     def observe_step(self, num_tokens: int, num_proposed: int, step_s: float) -> None:
         """One executed step of ``num_tokens`` tokens (``num_proposed`` of them guesses) that took
         ``step_s`` seconds outside drafting (wall clock, the scheduler's). Its cost enters the model
-        in the model's clock (``clock``; the first step with a CPU clock only starts it)."""
+        in the model's clock (``clock``; the first step with a CPU clock only starts it), and only for
+        a decode step: exactly the requests of this step's ``propose`` call, one token each plus their
+        guesses. A step with prompt tokens (a prefill, or decodes with a chunk beside them) is left
+        out: its tokens attend to less context than a decode's, so its seconds per token would make
+        verifies look cheaper than they are; the model compares a verify with plain decoding only."""
+        decode = self._step_batch is not None and num_tokens == self._step_batch + num_proposed
+        self._step_batch = None
         if self.clock is None:
-            self.step_cost.add(num_tokens, step_s)
+            if decode:
+                self.step_cost.add(num_tokens, step_s)
         else:
             now = self.clock()
-            if self._clock_mark is not None:
+            if self._clock_mark is not None and decode:
                 cost = now - self._clock_mark - self._clock_draft
                 self.step_cost.add(num_tokens, min(max(cost, 0.0), step_s * self.clock_threads))
             self._clock_mark, self._clock_draft = now, 0.0
