@@ -1020,8 +1020,9 @@ DEFINE_CA_GATHER(bf16, uint16_t)
  *    panel of BI_PANEL columns as [K / 2][BI_PANEL][2] (bi_linear_pack, K even; odd K keeps the fmaf path).
  *  - chunk_attn: a score q.k is the chain over the d / 2 pairs in order (lane = key: a chunk's keys are
  *    gathered as [d / 2][BI_CHUNK] bf16 pairs by a 16 x 16 transpose of 32-bit words); for d a multiple of
- *    32. The rest (softmax, P.V as fmaf chains over the keys, the fold) is the portable arithmetic; P.V
- *    runs 512-bit FMAs here in every dtype, the same chains, the same bits. */
+ *    32. P.V likewise over key pairs with the probabilities rounded to bf16, the softmax state folded into
+ *    the accumulators (ca_task_pp_bf16). Elsewhere (other d, float32, other CPUs) the portable arithmetic,
+ *    P.V by 512-bit FMAs where there are any, the same chains, the same bits. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define BI_DP_MR 6 /* rows per register tile of bi_linear_dp (x BI_DP_NP panels: 24 accumulators) */
 #define BI_DP_NP 4
@@ -1049,59 +1050,6 @@ static inline void ca_transpose16_epi32(__m512i r[16]) {
 }
 static inline uint32_t ld_pair(const uint16_t *p) { uint32_t u; memcpy(&u, p, 4); return u; }
 static inline int ca_dp_bf16(int64_t d) { return d % 32 == 0; }
-/* n <= BI_CHUNK keys (rows k_cache + sl[j] * tok + off): keys as bf16 pairs kp [d / 2][BI_CHUNK] (32-bit
- * words), values as float32 vf [BI_CHUNK][d]; d a multiple of 32 */
-static void ca_gather_dp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
-                              int64_t tok, int64_t off, int64_t d, uint32_t *kp, float *vf) {
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const uint16_t *kr[16];
-        for (int r = 0; r < 16; r++) kr[r] = k_cache + sl[j + r] * tok + off;
-        for (int64_t pb = 0; pb < d / 32; pb++) { /* pairs 16 pb .. 16 pb + 15 */
-            __m512i x[16];
-            for (int r = 0; r < 16; r++) x[r] = _mm512_loadu_si512(kr[r] + 32 * pb);
-            ca_transpose16_epi32(x);
-            for (int c = 0; c < 16; c++) _mm512_storeu_si512(kp + (16 * pb + c) * BI_CHUNK + j, x[c]);
-        }
-    }
-    for (; j < n; j++) {
-        const uint16_t *kr = k_cache + sl[j] * tok + off;
-        for (int64_t i = 0; i < d / 2; i++) kp[i * BI_CHUNK + j] = ld_pair(kr + 2 * i);
-    }
-    for (j = 0; j < n; j++) {
-        const uint16_t *vr = v_cache + sl[j] * tok + off;
-        for (int64_t i = 0; i < d; i += 16)
-            _mm512_storeu_ps(vf + j * d + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + i))), 16)));
-    }
-}
-/* sc[n][j] = the VDPBF16PS chain over the pairs of q[n] (nq <= CA_NQ query heads d apart) and key j */
-static inline __attribute__((always_inline)) void ca_scores_dp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
-                                                                 float *sc, const int nq) {
-    __m512 a[CA_NQ][4];
-    for (int n = 0; n < nq; n++)
-        for (int c = 0; c < 4; c++) a[n][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d / 2; i++) {
-        const uint32_t *kr = kp + i * BI_CHUNK;
-        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 16);
-        __m512bh k2 = (__m512bh)_mm512_loadu_si512(kr + 32), k3 = (__m512bh)_mm512_loadu_si512(kr + 48);
-        for (int n = 0; n < nq; n++) {
-            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q + n * d + 2 * i));
-            a[n][0] = _mm512_dpbf16_ps(a[n][0], qv, k0);
-            a[n][1] = _mm512_dpbf16_ps(a[n][1], qv, k1);
-            a[n][2] = _mm512_dpbf16_ps(a[n][2], qv, k2);
-            a[n][3] = _mm512_dpbf16_ps(a[n][3], qv, k3);
-        }
-    }
-    for (int n = 0; n < nq; n++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sc + n * BI_CHUNK + 16 * c, a[n][c]);
-}
-static void ca_scores_dp_bf16(const uint16_t *q, int nq, int64_t d, const uint32_t *kp, float *sc) {
-    if (nq == 3) ca_scores_dp_n(q, d, kp, sc, 3);
-    else if (nq == 2) ca_scores_dp_n(q, d, kp, sc, 2);
-    else ca_scores_dp_n(q, d, kp, sc, 1);
-}
-
 /* bf16 rounding of 16 float32 lanes as f32_to_bf16 (nearest even, NaN kept quiet), stored under mask */
 static inline void bi_store_bf16x16(uint16_t *p, __m512 v, __mmask16 mask) {
     __m512i u = _mm512_castps_si512(v);
@@ -1110,6 +1058,191 @@ static inline void bi_store_bf16x16(uint16_t *p, __m512 v, __mmask16 mask) {
     __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     _mm512_mask_cvtepi32_storeu_epi16(p, mask, _mm512_srli_epi32(r, 16));
+}
+/* chunk_attn's task on AVX-512 BF16 (d a multiple of 32, helper H2, issue 15): both products by VDPBF16PS.
+ * Per (row, head) and chunk: scores s_j = the q.k pair chain (the section comment), x_j = s_j * scale for the
+ * live keys j < nn (else -inf), mc = max x (exact, any order), mn = max(m, mc), a = fast_expf(m - mn),
+ * p_j = bf16(e^(x_j - mn)) (ca_exp16: degree-5 polynomial, relative error < 3e-6, far below bf16's 2^-9; 0
+ * past nn), l' = l a + (sum of the rounded p_j: even keys + odd keys per lane, the two 32-key halves added,
+ * then _mm512_reduce_add_ps's fixed tree), acc'[i] = VDPBF16PS chain over the key pairs (j, j + 1) in order,
+ * from acc[i] a, of (p_j, p_j+1).(v_j[i], v_j+1[i]) (a last odd key paired with +0). One chain per (row,
+ * head, element) whatever the other rows of the task, and the state (m, l, acc) is all that crosses a chunk,
+ * so a shared segment then a tail give one pass's bits. Probabilities rounded to bfloat16 for P V as
+ * PyTorch's CPU flash kernel does for bfloat16 (the FlashAttention-2 step, Dao, arXiv 2307.08691). */
+static inline __m512 ca_exp16(__m512 x) { /* e^x for x <= 0 (NaN, -inf: e^-87) */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(1.f / 120), _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+/* n <= BI_CHUNK keys: K as bf16 pairs kp [d / 2][BI_CHUNK] (32-bit words, lane = key, by a 16 x 16 transpose; a
+ * short block padded with copies of its last key, masked later), V as key pairs vp [BI_CHUNK / 2][d] (word i
+ * of pair jp: v_2jp[i] low, v_2jp+1[i] high; +0 past key n - 1) */
+static void ca_gather_pp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
+                              int64_t tok, int64_t off, int64_t d, uint32_t *kp, uint32_t *vp) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const uint16_t *kr[16];
+        for (int r = 0; r < 16; r++) kr[r] = k_cache + sl[j + r < n ? j + r : n - 1] * tok + off;
+        for (int64_t pb = 0; pb < d / 32; pb++) {
+            __m512i x[16];
+            for (int r = 0; r < 16; r++) x[r] = _mm512_loadu_si512(kr[r] + 32 * pb);
+            ca_transpose16_epi32(x);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(kp + (16 * pb + c) * BI_CHUNK + j, x[c]);
+        }
+    }
+    const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                         0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                         0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
+        const uint16_t *r0 = v_cache + sl[2 * jp] * tok + off;
+        const uint16_t *r1 = 2 * jp + 1 < n ? v_cache + sl[2 * jp + 1] * tok + off : NULL;
+        for (int64_t i = 0; i < d; i += 32) {
+            __m512i a = _mm512_loadu_si512(r0 + i), b = r1 ? _mm512_loadu_si512(r1 + i) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + jp * d + i, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vp + jp * d + i + 16, _mm512_permutex2var_epi16(a, hi, b));
+        }
+    }
+}
+/* acc[n][i0 + 16 c] (c < nv) of nq heads: times a[n], then the pair chains over np key pairs of vp (the last
+ * pair's high key masked to +0 when odd) with the probabilities pb[n][jp] */
+static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb, const uint32_t *vp, int64_t np,
+                                                             int odd, int64_t d, int64_t i0, const float *a,
+                                                             float *acc, const int nq, const int nv) {
+    __m512 A[CA_NQ][4];
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++)
+            A[n][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + n * d + i0 + 16 * c), _mm512_set1_ps(a[n]));
+    for (int64_t jp = 0; jp < np; jp++) {
+        __m512bh v[4];
+        const uint32_t *vr = vp + jp * d + i0;
+        for (int c = 0; c < nv; c++) {
+            __m512i w = _mm512_loadu_si512(vr + 16 * c);
+            if (odd && jp == np - 1) w = _mm512_and_si512(w, _mm512_set1_epi32(0xffff));
+            v[c] = (__m512bh)w;
+        }
+        for (int n = 0; n < nq; n++) {
+            __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pb[n * (BI_CHUNK / 2) + jp]);
+            for (int c = 0; c < nv; c++) A[n][c] = _mm512_dpbf16_ps(A[n][c], pv, v[c]);
+        }
+    }
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + n * d + i0 + 16 * c, A[n][c]);
+}
+/* nq heads of one row (q: its first, heads d apart) fold one chunk (kp / vp, nn live keys) into their state
+ * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch */
+static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
+                                                              const uint32_t *vp, int64_t nn, float scale, float *mx,
+                                                              float *sm, float *acc, uint32_t *pb, const int nq) {
+    __m512 s[CA_NQ][4];
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < 4; c++) s[n][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d / 2; i++) {
+        const uint32_t *kr = kp + i * BI_CHUNK;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 16);
+        __m512bh k2 = (__m512bh)_mm512_loadu_si512(kr + 32), k3 = (__m512bh)_mm512_loadu_si512(kr + 48);
+        for (int n = 0; n < nq; n++) {
+            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q + n * d + 2 * i));
+            s[n][0] = _mm512_dpbf16_ps(s[n][0], qv, k0);
+            s[n][1] = _mm512_dpbf16_ps(s[n][1], qv, k1);
+            s[n][2] = _mm512_dpbf16_ps(s[n][2], qv, k2);
+            s[n][3] = _mm512_dpbf16_ps(s[n][3], qv, k3);
+        }
+    }
+    __mmask16 live[4];
+    for (int c = 0; c < 4; c++) {
+        int64_t r = nn - 16 * c;
+        live[c] = r >= 16 ? (__mmask16)0xffff : (r > 0 ? (__mmask16)((1u << r) - 1u) : (__mmask16)0);
+    }
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
+    float a[CA_NQ];
+    for (int n = 0; n < nq; n++) {
+        __m512 x[4];
+        for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vs);
+        float mc = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+        float mo = mx[n], mn = mo > mc ? mo : mc;
+        a[n] = fast_expf(mo - mn);
+        __m512 vm = _mm512_set1_ps(mn);
+        __m512 e[4];
+        for (int c = 0; c < 4; c++) e[c] = _mm512_maskz_mov_ps(live[c], ca_exp16(_mm512_sub_ps(x[c], vm)));
+        __m512i w0 = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]), w1 = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
+        _mm512_storeu_si512(pb + n * (BI_CHUNK / 2), w0);
+        _mm512_storeu_si512(pb + n * (BI_CHUNK / 2) + 16, w1);
+        __m512 r0 = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
+                                  _mm512_castsi512_ps(_mm512_and_si512(w0, himask)));
+        __m512 r1 = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
+                                  _mm512_castsi512_ps(_mm512_and_si512(w1, himask)));
+        float lc = _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
+        float la = sm[n] * a[n];
+        sm[n] = la + lc;
+        mx[n] = mn;
+    }
+    int64_t np = (nn + 1) / 2, i0 = 0;
+    int odd = (int)(nn & 1);
+    for (; i0 + 64 <= d; i0 += 64) ca_pv_pp_n(pb, vp, np, odd, d, i0, a, acc, nq, 4);
+    for (; i0 < d; i0 += 32) ca_pv_pp_n(pb, vp, np, odd, d, i0, a, acc, nq, 2);
+}
+/* One task of chunk_attn on the pair paths: rows e0..e1 (entries of rows / limits) of one item (sl: its nkeys
+ * slots), kv head kh; kp / vp / acc / mx / sm / pb: the thread's buffers */
+static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0,
+                            int64_t e1, int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,
+                            float *st_l, float *st_acc, int store, uint16_t *out, uint32_t *kp, uint32_t *vp,
+                            float *acc, float *mx, float *sm, uint32_t *pb) {
+    int64_t grp = nh / nkv, maxlim = 0;
+    for (int64_t e = e0; e < e1; e++) {
+        int64_t lim = limits ? limits[e] : nkeys;
+        if (lim > maxlim) maxlim = lim;
+        for (int64_t g = 0; g < grp; g++) {
+            int64_t hd = kh * grp + g, si = (e - e0) * grp + g;
+            mx[si] = st_m ? st_m[rows[e] * nh + hd] : -INFINITY;
+            sm[si] = st_m ? st_l[rows[e] * nh + hd] : 0.f;
+            if (st_m) memcpy(acc + si * d, st_acc + (rows[e] * nh + hd) * d, sizeof(float) * (size_t)d);
+            else memset(acc + si * d, 0, sizeof(float) * (size_t)d);
+        }
+    }
+    for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {
+        int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;
+        ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kp, vp);
+        for (int64_t e = e0; e < e1; e++) {
+            int64_t lim = limits ? limits[e] : nkeys;
+            if (lim <= c0) continue;
+            int64_t nn = (lim < c1 ? lim : c1) - c0;
+            for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) {
+                int64_t si = (e - e0) * grp + g0;
+                const uint16_t *qr = q + rows[e] * q_stride + (kh * grp + g0) * d;
+                int64_t left = grp - g0;
+                if (left >= 3) ca_row_pp_n(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, 3);
+                else if (left == 2) ca_row_pp_n(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, 2);
+                else ca_row_pp_n(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, 1);
+            }
+        }
+    }
+    for (int64_t e = e0; e < e1; e++)
+        for (int64_t g = 0; g < grp; g++) {
+            int64_t hd = kh * grp + g, si = (e - e0) * grp + g;
+            const float *ar = acc + si * d;
+            if (store) {
+                st_m[rows[e] * nh + hd] = mx[si];
+                st_l[rows[e] * nh + hd] = sm[si];
+                memcpy(st_acc + (rows[e] * nh + hd) * d, ar, sizeof(float) * (size_t)d);
+            } else {
+                float l = sm[si];
+                uint16_t *o = out + (rows[e] * nh + hd) * d;
+                __m512 vl = _mm512_set1_ps(l);
+                for (int64_t i = 0; i < d; i += 16)
+                    bi_store_bf16x16(o + i, l > 0.f ? _mm512_div_ps(_mm512_loadu_ps(ar + i), vl) : _mm512_setzero_ps(),
+                                     (__mmask16)0xffff);
+            }
+        }
 }
 /* The epilogue of every tile: out = bf16(acc + bias) (no add without a bias) for the columns below n */
 static inline void bi_dp_out(__m512 acc, const uint16_t *bias, int64_t col, int64_t n, uint16_t *out) {
@@ -1183,17 +1316,23 @@ static void bi_linear_pack_dp_bf16(const uint16_t *w, int64_t n, int64_t k, uint
 #define BI_DP_PACK_bf16(...) if (k % 2 == 0) { bi_linear_pack_dp_bf16(__VA_ARGS__); return; }
 #else
 static inline int ca_dp_bf16(int64_t d) { return 0; }
-static inline void ca_gather_dp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
-                                     int64_t tok, int64_t off, int64_t d, uint32_t *kp, float *vf) {}
-static inline void ca_scores_dp_bf16(const uint16_t *q, int nq, int64_t d, const uint32_t *kp, float *sc) {}
+static inline void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, const int64_t *sl, int64_t nkeys, const int64_t *rows,
+                                   const int64_t *limits, int64_t e0, int64_t e1, int64_t kh, int64_t nh, int64_t nkv,
+                                   int64_t d, float scale, float *st_m, float *st_l, float *st_acc, int store,
+                                   uint16_t *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm,
+                                   uint32_t *pb) {}
 #define BI_DP_LINEAR_bf16(...)
 #define BI_DP_PACK_bf16(...)
 #endif
 /* float32 never takes the pair paths */
 static inline int ca_dp_f32(int64_t d) { return 0; }
-static inline void ca_gather_dp_f32(const float *k_cache, const float *v_cache, const int64_t *sl, int64_t n,
-                                    int64_t tok, int64_t off, int64_t d, uint32_t *kp, float *vf) {}
-static inline void ca_scores_dp_f32(const float *q, int nq, int64_t d, const uint32_t *kp, float *sc) {}
+static inline void ca_task_pp_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                   const float *v_cache, const int64_t *sl, int64_t nkeys, const int64_t *rows,
+                                   const int64_t *limits, int64_t e0, int64_t e1, int64_t kh, int64_t nh, int64_t nkv,
+                                   int64_t d, float scale, float *st_m, float *st_l, float *st_acc, int store,
+                                   float *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm,
+                                   uint32_t *pb) {}
 #define BI_DP_LINEAR_f32(...)
 #define BI_DP_PACK_f32(...)
 /* ---- end of the AVX-512 BF16 batch-invariant block ---- */
@@ -1454,7 +1593,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
                      float *st_l, float *st_acc, int store, T *out) {                                          \
     int64_t grp = nh / nkv, ntasks = 0;                                                                        \
-    const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: q.k as pair chains (section comment above) */              \
+    const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
     if (d > BI_MAX_D) return 0;                                                                                \
     int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_items + 1));                            \
     if (!task_off) return 0;                                                                                   \
@@ -1485,6 +1624,12 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
         if (e1 > row_off[it + 1]) e1 = row_off[it + 1];                                                        \
         int64_t nkeys = key_off[it + 1] - key_off[it], maxlim = 0;                                             \
         const int64_t *sl = slots + key_off[it];                                                               \
+        if (dp) { /* AVX-512 BF16: both products as pair chains (ca_task_pp_bf16) */                         \
+            ca_task_pp_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, rows, limits, e0, e1, kh, nh, nkv, d, scale, \
+                             st_m, st_l, st_acc, store, out, (uint32_t *)kf, (uint32_t *)vf, acc, mx, sm,      \
+                             (uint32_t *)qf);                                                                  \
+            continue;                                                                                          \
+        }                                                                                                      \
         for (int64_t e = e0; e < e1; e++) {                                                                    \
             int64_t lim = limits ? limits[e] : nkeys;                                                          \
             if (lim > maxlim) maxlim = lim;                                                                    \
@@ -1500,8 +1645,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
             int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                      \
             if (c1 - c0 < BI_CHUNK) /* a short last chunk: scores past it are computed and ignored */          \
                 for (int64_t i = 0; i < d; i++) for (int64_t j = c1 - c0; j < BI_CHUNK; j++) kf[i * BI_CHUNK + j] = 0.f; \
-            if (dp) ca_gather_dp_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, (uint32_t *)kf, vf); \
-            else ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);              \
+            ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);                   \
             for (int64_t e = e0; e < e1; e++) {                                                                \
                 int64_t lim = limits ? limits[e] : nkeys;                                                      \
                 if (lim <= c0) continue;                                                                       \
@@ -1510,9 +1654,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                     int nq = grp - g0 < CA_NQ ? (int)(grp - g0) : CA_NQ;                                       \
                     int64_t si0 = (e - e0) * grp + g0;                                                         \
                     float sc[CA_NQ * BI_CHUNK], acl[CA_NQ * BI_MAX_D], mcs[CA_NQ], lcs[CA_NQ];                 \
-                    if (dp) ca_scores_dp_##SUF(q + rows[e] * q_stride + (kh * grp + g0) * d, nq, d,            \
-                                               (const uint32_t *)kf, sc);                                      \
-                    else ca_scores(qf + si0 * d, nq, d, kf, sc);                                               \
+                    ca_scores(qf + si0 * d, nq, d, kf, sc);                                                    \
                     /* keys past nn get score -inf, hence p = 0, which adds nothing */                         \
                     for (int n = 0; n < nq; n++) ca_softmax(sc + n * BI_CHUNK, nn, scale, mcs + n, lcs + n);   \
                     ca_pv(sc, nq, nn, vf, d, acl);                                                             \
