@@ -78,7 +78,8 @@ class EngineConfig:
     dtype: str = option("auto", "float32 | bfloat16 | float16 | auto (bfloat16 when the CPU has native bf16 "
                         "matmul, else float32)")
     device: str = option("cpu", "torch device of the model and the KV pool; the fused C kernels run on cpu only")
-    disable_weight_prepack: bool = option(False, "bf16 on CPU: plain F.linear instead of the oneDNN- (and AMX-) "
+    disable_weight_prepack: bool = option(False, "bf16 on CPU: plain F.linear (on fixed row tiles when deterministic) "
+                                          "instead of the oneDNN-, AMX- or bi_linear- "
                                           "packed weights kept by default (faster linears, weights x2-3 RAM)")
     disable_cpu_kernels: bool = option(False, "CPU: eager PyTorch ops instead of the fused C kernels (norm, rope, "
                                        "decode attention)")

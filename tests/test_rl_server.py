@@ -241,7 +241,7 @@ def test_release_and_resume_memory_occupation(setup):
     srv, a, b, ref = setup
     post = lambda path, body=None: httpx.post(srv.url + path, json=body or {}, timeout=120)  # noqa: E731
     out, started = [], threading.Event()
-    t = threading.Thread(target=stream, args=(srv, 400, out, started))
+    t = threading.Thread(target=stream, args=(srv, 1500, out, started))  # long enough to still run below
     t.start()
     assert started.wait(120)
     r = post("/release_memory_occupation")

@@ -19,7 +19,8 @@ from test_model import MixedBatchDriver
 
 from idleless.config import EngineConfig
 from idleless.model import cpu_kernels
-from idleless.model.linear import PLAIN, Linear, OneDnnLinearMethod, PlainLinearMethod
+from idleless.model.linear import (PLAIN, InvariantLinearMethod, Linear, OneDnnLinearMethod, PlainLinearMethod,
+                                   TiledLinearMethod)
 from idleless.model import runner as runner_module
 from idleless.model.runner import ModelRunner
 
@@ -91,7 +92,8 @@ def test_weight_update_by_name_equals_a_fresh_load(tmp_path, monkeypatch, reques
 def test_the_linear_method_follows_the_config(tmp_path):
     """Chosen once at load from dtype, flags and CPU: float32 gives bi_linear for small batches over plain
     F.linear (with the C kernels; plain without), disable_weight_prepack plain F.linear; bfloat16 gives
-    oneDNN packing where the CPU supports it."""
+    oneDNN packing where the CPU supports it with deterministic inference off, the batch-invariant method
+    by default (F.linear on row tiles with disable_weight_prepack)."""
     from idleless.model.linear import SmallBatchLinearMethod, can_prepack
 
     path = make_tiny_model(tmp_path)
@@ -102,12 +104,18 @@ def test_the_linear_method_follows_the_config(tmp_path):
         assert f32.prepacked_bytes >= 4 * params  # the packed copies (panels padded to 16 columns)
     else:
         assert isinstance(f32.linear_method, PlainLinearMethod) and f32.prepacked_bytes == 0
-    plain = ModelRunner(EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="2MiB", num_threads=TEST_THREADS,
-                                     disable_weight_prepack=True))
+    bf16_cfg = dict(model=path, dtype="bfloat16", kv_cache_memory="2MiB", num_threads=TEST_THREADS)
+    plain = ModelRunner(EngineConfig(**bf16_cfg, disable_weight_prepack=True, enable_deterministic_inference=False))
     assert isinstance(plain.linear_method, PlainLinearMethod)
-    bf16 = _runner(path, "bfloat16")
+    bf16 = ModelRunner(EngineConfig(**bf16_cfg, enable_deterministic_inference=False))
     assert isinstance(bf16.linear_method, OneDnnLinearMethod) == can_prepack(torch.bfloat16)
     assert all(m.method is bf16.linear_method for m in bf16.model.modules() if isinstance(m, Linear))
+    # bfloat16's default: the batch-invariant method (the kernels' bi_linear; no packed copy when asked)
+    det = _runner(path, "bfloat16")
+    assert det.deterministic
+    assert isinstance(det.linear_method, InvariantLinearMethod if det.kernels is not None else TiledLinearMethod)
+    tiled = ModelRunner(EngineConfig(**bf16_cfg, disable_weight_prepack=True))
+    assert isinstance(tiled.linear_method, TiledLinearMethod) and tiled.prepacked_bytes == 0
 
 
 def _state(runner: ModelRunner) -> dict[str, torch.Tensor]:

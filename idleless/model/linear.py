@@ -251,15 +251,15 @@ def select_linear_method(dtype: torch.dtype, device: str, disable_weight_prepack
     where the CPU kernels have them, else oneDNN-packed where ``can_prepack``, else, in float32 with
     the kernels, ``SmallBatchLinearMethod`` over ``F.linear``, else plain ``F.linear``; plain whenever
     ``disable_weight_prepack``. deterministic: a batch-invariant method (the kernels'
-    ``InvariantLinearMethod``, else ``TiledLinearMethod``). kernels: the model dtype's CpuKernels or None.
+    ``InvariantLinearMethod``, else, or with ``disable_weight_prepack``, ``TiledLinearMethod``). kernels: the model dtype's CpuKernels or None.
     Raises ValueError for a precision combination without a method."""
     if weight_dtype not in ("auto", "bf16") or activation_dtype != "bf16":
         from idleless.quant.methods import quantized_linear_method  # imports this module
         ours = kernels is not None and kernels.dtype == dtype
         return quantized_linear_method(weight_dtype, activation_dtype, deterministic, kernels if ours else None)
     ours = kernels is not None and kernels.dtype == dtype
-    if deterministic:
-        return InvariantLinearMethod(kernels) if ours else TiledLinearMethod()
+    if deterministic:  # disable_weight_prepack: no packed copy, F.linear on fixed row tiles
+        return InvariantLinearMethod(kernels) if ours and not disable_weight_prepack else TiledLinearMethod()
     if disable_weight_prepack:
         return PLAIN
     if not can_prepack(dtype, device):
