@@ -384,3 +384,22 @@ def test_self_draft_shares_no_kv_with_a_target_of_other_static_scales(q4_target)
     assert not _same_layout(a, KVPool(2, 2, 16, 8, torch.float32, cache_dtype="int8"))
     assert _same_layout(KVPool(2, 2, 16, 8, torch.float32, cache_dtype="int8"),
                         KVPool(2, 2, 16, 8, torch.float32, cache_dtype="int8"))
+
+
+def test_adaptive_self_draft_starts_with_measured_draft_steps(q4_target):
+    """With the adaptive controller the engine times draft steps of 1-64 requests on the draft runner
+    at start-up (idleless.spec.prime): the draft's prior is set, its pool is all free again and its
+    tree empty, so the first request's draft state starts clean (check_draft_kv after every step)."""
+    from idleless.spec.prime import DRAFT_GRID
+    core = EngineCore(core_config(q4_target, speculative_algorithm="draft", speculative_draft_weight_dtype="int4",
+                                  speculative_num_draft_tokens=3))
+    draft = core.proposer.inner
+    assert [x for x, _ in core.proposer.draft_step_cost._prior] == [float(x) for x in DRAFT_GRID]
+    assert core.proposer.step_cost.primed
+    assert draft.pool.num_free_slots == draft.pool.num_slots and draft.kv.cache.total_size == 0
+    core.add_request(Request("p", rand_prompts(12, [21])[0],
+                             SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+        check_draft_kv(draft)
+    assert draft.kv_usage()["in_use"] == 0

@@ -10,8 +10,9 @@ from two measured things:
   verify, commit) as a function of the tokens in it (``StepCost``: the median of the recent steps
   per power-of-two bucket of token counts, interpolated), plus the proposer's seconds per draft step
   (a draft model runs one step per guess depth for all drafting requests together) as a function
-  of the number of drafting requests (another ``StepCost``; before it is measured, the proposer's
-  ``cost_hint`` times a target step); the draft time of a plan is its depth times that;
+  of the number of drafting requests (another ``StepCost``; before it is measured, its start-up
+  prior, else the proposer's ``cost_hint`` times a target step); the draft time of a plan is its
+  depth times that;
 * the proposer's catch-up: a draft model must first compute the tokens of a request it has not seen
   (its prompt) or that it fell behind on (steps without guesses), ``Proposer.catchup_tokens``. That
   forward's seconds per token are measured online (a third ``StepCost``, by catch-up tokens; before
@@ -36,9 +37,15 @@ verify must never be compared with a guess of what plain decoding costs; and it 
 now and then (``PLAIN_REFRESH``), so one taken on a busy moment or at a shorter context is corrected. Costs
 are in process CPU seconds where the engine passes that clock (``clock``): on a shared machine the wall
 time of a step is mostly the other jobs' and moves by several times between a plain step and a verify
-measured minutes apart. The step-cost model is flat
-above the largest measured step, so a larger verify is assumed no dearer than that and gets tried
-(and measured).
+measured minutes apart. Only decode steps enter the step cost (the requests of the step's
+``propose`` call, one token each plus their guesses): a prefill's tokens attend to less context.
+
+The engine primes the step costs at start-up (``idleless.spec.prime``: target steps of 1-256 tokens,
+draft steps of 1-64 requests, timed on dummy requests): outside the measured range a prediction is
+the nearest measured bucket plus the start-up curve's difference, so a verify, and a draft step
+before its first one, are judged by what they cost rather than tried to find out. Unprimed (a
+scripted runner), the model is flat above the largest measured step, so a larger verify is assumed
+no dearer than that and gets tried (and measured).
 """
 
 from __future__ import annotations
