@@ -1137,23 +1137,23 @@ static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb,
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + n * d + i0 + 16 * c, A[n][c]);
 }
 /* nq heads of one row (q: its first, heads d apart) fold one chunk (kp / vp, nn live keys) into their state
- * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch */
+ * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch. nb = ceil(nn / 16): the 16-key blocks
+ * with a live key, the only ones whose scores are computed (a function of the row's own nn, so its bits are
+ * the same in any task) */
 static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
                                                               const uint32_t *vp, int64_t nn, float scale, float *mx,
-                                                              float *sm, float *acc, uint32_t *pb, const int nq) {
-    __m512 s[CA_NQ][4];
+                                                              float *sm, float *acc, uint32_t *pb, const int nq,
+                                                              const int nb) {
+    __m512 s[CA_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < 4; c++) s[n][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d / 2; i++) {
         const uint32_t *kr = kp + i * BI_CHUNK;
-        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 16);
-        __m512bh k2 = (__m512bh)_mm512_loadu_si512(kr + 32), k3 = (__m512bh)_mm512_loadu_si512(kr + 48);
+        __m512bh k[4];
+        for (int c = 0; c < nb; c++) k[c] = (__m512bh)_mm512_loadu_si512(kr + 16 * c);
         for (int n = 0; n < nq; n++) {
             __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q + n * d + 2 * i));
-            s[n][0] = _mm512_dpbf16_ps(s[n][0], qv, k0);
-            s[n][1] = _mm512_dpbf16_ps(s[n][1], qv, k1);
-            s[n][2] = _mm512_dpbf16_ps(s[n][2], qv, k2);
-            s[n][3] = _mm512_dpbf16_ps(s[n][3], qv, k3);
+            for (int c = 0; c < nb; c++) s[n][c] = _mm512_dpbf16_ps(s[n][c], qv, k[c]);
         }
     }
     __mmask16 live[4];
@@ -1190,6 +1190,20 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
     for (; i0 + 64 <= d; i0 += 64) ca_pv_pp_n(pb, vp, np, odd, d, i0, a, acc, nq, 4);
     for (; i0 < d; i0 += 32) ca_pv_pp_n(pb, vp, np, odd, d, i0, a, acc, nq, 2);
 }
+#define CA_ROW_PP_NB(NQ)                                                                                  \
+    switch (nb) {                                                                                         \
+    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 1); break;                          \
+    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 2); break;                          \
+    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 3); break;                          \
+    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 4);                                \
+    }
+static void ca_row_pp(const uint16_t *q, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn, float scale,
+                      float *mx, float *sm, float *acc, uint32_t *pb, int nq) {
+    int nb = (int)((nn + 15) / 16);
+    if (nq >= 3) { CA_ROW_PP_NB(3) }
+    else if (nq == 2) { CA_ROW_PP_NB(2) }
+    else { CA_ROW_PP_NB(1) }
+}
 /* One task of chunk_attn on the pair paths: rows e0..e1 (entries of rows / limits) of one item (sl: its nkeys
  * slots), kv head kh; kp / vp / acc / mx / sm / pb: the thread's buffers */
 static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -1219,10 +1233,7 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
             for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) {
                 int64_t si = (e - e0) * grp + g0;
                 const uint16_t *qr = q + rows[e] * q_stride + (kh * grp + g0) * d;
-                int64_t left = grp - g0;
-                if (left >= 3) ca_row_pp_n(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, 3);
-                else if (left == 2) ca_row_pp_n(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, 2);
-                else ca_row_pp_n(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, 1);
+                ca_row_pp(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, (int)(grp - g0));
             }
         }
     }
