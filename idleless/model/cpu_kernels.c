@@ -1356,14 +1356,18 @@ static inline void ca_task_pp_f32(const float *q, int64_t q_stride, const float 
  * sx_b = the block's 32 x values summed in float32 in order; out = bf16(acc + bias). So w = d q + m is
  * used exactly (as q41_linear), not rounded to bf16. bi_q41_pack lays a weight out once per panel of 16
  * columns and block: d[16], m[16] (float16), then 16 pair steps of 16 bytes (byte c: code 2s of column c
- * in the low nibble, code 2s + 1 in the high one): BQ_PB bytes. A thread task decodes a group of BQ_GP
- * panels to bf16 pairs in its buffer once and runs its rows over it in 6 x 4 register tiles (6 x 1, and
- * single rows, at the edges: the same chains). */
+ * in the low nibble, code 2s + 1 in the high one): BQ_PB bytes. A thread task (a block of rows, a group of
+ * BQ_GP panels) decodes its group to bf16 pairs in its buffer once and runs its rows over it in BQ_MR x BQ_NP
+ * register tiles (block chains and their sums both in registers; shorter strips and fewer panels at the
+ * edges: the same chains). Row blocks are sized so their x rows stay in L2 while a thread's tasks cycle
+ * through the groups. The tiling only decides which elements are computed together, never an element's
+ * chain, so every row's bits are the same in any batch (tests/test_kernels_portable.py). */
 #define BQ_PB 320     /* bytes per (panel, block) in bi_q41_pack's layout */
 #define BQ_GP 8       /* panels per thread task */
-#define BQ_ROWS 128   /* rows per thread task */
-#define BQ_MR 6
-#define BQ_NP 4
+#define BQ_ROWS 96    /* fewest rows per thread task in a large batch (each task decodes its group once) */
+#define BQ_XBYTES 393216 /* bytes of x rows per thread task in a large batch: about half of a 1 MiB L2 */
+#define BQ_MR 7       /* register tile: rows x panels of 16 columns (14 block chains + 14 sums in zmm) */
+#define BQ_NP 2
 void bi_q41_pack(const uint8_t *qs, const uint16_t *d, const uint16_t *mm, int64_t n, int64_t k, uint8_t *out) {
     int64_t nb = k / 32, np = (n + 15) / 16;
 #pragma omp parallel for if (n * k >= PAR_MIN_WORK)
@@ -1392,15 +1396,14 @@ static inline __attribute__((always_inline)) void bq_tile(const uint16_t *x, int
                                                           const uint32_t *wb, const float *dmf, int64_t q0,
                                                           const int mr, const int npl, const uint16_t *bias,
                                                           int64_t col0, int64_t n, uint16_t *out, int64_t ldo) {
-    float acc[BQ_MR][BQ_NP][16]; /* in memory: touched once per block; the registers hold the block chains */
-    __m512 t[BQ_MR][BQ_NP];
+    __m512 acc[BQ_MR][4], t[BQ_MR][4]; /* both in registers: the block chains and their sums */
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < npl; j++) _mm512_storeu_ps(acc[r][j], _mm512_setzero_ps());
+        for (int j = 0; j < npl; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < mr; r++)
             for (int j = 0; j < npl; j++) t[r][j] = _mm512_setzero_ps();
         for (int s = 0; s < 16; s++) {
-            __m512bh w[BQ_NP];
+            __m512bh w[4];
             for (int j = 0; j < npl; j++) w[j] = (__m512bh)_mm512_loadu_si512(wb + (((q0 + j) * nb + b) * 16 + s) * 16);
             for (int r = 0; r < mr; r++) {
                 __m512bh xv = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + (b * 16 + s) * 2));
@@ -1409,48 +1412,120 @@ static inline __attribute__((always_inline)) void bq_tile(const uint16_t *x, int
         }
         for (int j = 0; j < npl; j++) {
             __m512 dv = _mm512_loadu_ps(dmf + ((q0 + j) * nb + b) * 32), mv = _mm512_loadu_ps(dmf + ((q0 + j) * nb + b) * 32 + 16);
-            for (int r = 0; r < mr; r++) {
-                __m512 a = _mm512_fmadd_ps(dv, t[r][j], _mm512_loadu_ps(acc[r][j]));
-                _mm512_storeu_ps(acc[r][j], _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * nb + b]), a));
-            }
+            for (int r = 0; r < mr; r++)
+                acc[r][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * nb + b]), _mm512_fmadd_ps(dv, t[r][j], acc[r][j]));
         }
     }
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < npl; j++) {
             int64_t col = col0 + (q0 + j) * 16;
-            if (col < n) bi_dp_out(_mm512_loadu_ps(acc[r][j]), bias, col, n, out + r * ldo);
+            if (col < n) bi_dp_out(acc[r][j], bias, col, n, out + r * ldo);
         }
 }
+/* MR rows (1..BQ_MR) across a group's npg panels: tiles of NP panels (MR x NP block chains and as many sums in
+ * registers; short strips take more panels, so a tile still has enough independent chains), then 2, then 1 */
+#define BQ_STRIP(MR, NP)                                                                                          \
+    {                                                                                                             \
+        int64_t q = 0;                                                                                            \
+        for (; q + (NP) <= npg; q += (NP))                                                                        \
+            bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, MR, NP, bias, col0, n, out + r * ldo, ldo);      \
+        if ((NP) > 2 && q + 2 <= npg) {                                                                           \
+            bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, MR, 2, bias, col0, n, out + r * ldo, ldo);       \
+            q += 2;                                                                                               \
+        }                                                                                                         \
+        for (; q < npg; q++)                                                                                      \
+            bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, MR, 1, bias, col0, n, out + r * ldo, ldo);       \
+    }
+static void bq_rows(const uint16_t *x, int64_t ldx, const float *sx, int64_t nb, const uint32_t *wb, const float *dmf,
+                    int64_t npg, const uint16_t *bias, int64_t col0, int64_t n, uint16_t *out, int64_t ldo,
+                    int64_t r, int64_t r1) {
+    for (; r + BQ_MR <= r1; r += BQ_MR) BQ_STRIP(BQ_MR, BQ_NP)
+    switch (r1 - r) { /* the last rows in one strip of their own height, not row by row */
+    case 1: BQ_STRIP(1, 4) break;
+    case 2: BQ_STRIP(2, 4) break;
+    case 3: BQ_STRIP(3, 4) break;
+#if BQ_MR > 4
+    case 4: BQ_STRIP(4, BQ_NP) break;
+#endif
+#if BQ_MR > 5
+    case 5: BQ_STRIP(5, BQ_NP) break;
+#endif
+#if BQ_MR > 6
+    case 6: BQ_STRIP(6, BQ_NP) break;
+#endif
+    default: break;
+    }
+}
+#undef BQ_STRIP
+/* sx[r * nb + b] = block b of row r's 32 x values summed in float32 in order (0 + x0 + x1 + ... + x31): 16
+ * blocks at a time, one per lane, after a 16 x 16 transpose of their 32-bit words (x pairs); the same adds in the
+ * same order as the scalar loop of the remaining blocks */
+static void bq_block_sums(const uint16_t *x, int64_t m, int64_t nb, int64_t ldx, float *sx) {
+    int64_t total = m * nb, f = 0;
+    for (; f + 16 <= total; f += 16) {
+        __m512i w[16];
+        for (int j = 0; j < 16; j++) {
+            int64_t g = f + j;
+            w[j] = _mm512_loadu_si512(x + (g / nb) * ldx + (g % nb) * 32);
+        }
+        ca_transpose16_epi32(w); /* w[c] lane j: the pair (x[2c], x[2c + 1]) of block f + j */
+        __m512 s = _mm512_setzero_ps();
+        for (int c = 0; c < 16; c++) {
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(w[c], 16)));
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(w[c], _mm512_set1_epi32((int)0xffff0000u))));
+        }
+        _mm512_storeu_ps(sx + f, s);
+    }
+    for (; f < total; f++) {
+        const uint16_t *p = x + (f / nb) * ldx + (f % nb) * 32;
+        float s = 0.f;
+        for (int i = 0; i < 32; i++) s += bf16_to_f32(p[i]);
+        sx[f] = s;
+    }
+}
 /* out [m, n] (rows ldo apart) = x [m, k] (bf16 rows ldx apart) W^T (+ bias), W from bi_q41_pack; k a
- * multiple of 32. Returns 0 when buffers cannot be allocated, else 1. */
+ * multiple of 32. Returns 0 when buffers cannot be allocated, else 1. Thread tasks: (row block, group of
+ * BQ_GP panels), row blocks outer, so a thread's consecutive tasks share their x rows; a row block holds
+ * about BQ_XBYTES of x (at least BQ_ROWS rows), fewer rows where the groups alone would leave threads idle,
+ * a whole number of BQ_MR-row strips. */
 int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
                   const uint16_t *bias, uint16_t *out, int64_t ldo) {
-    int64_t nb = k / 32, np = (n + 15) / 16, ng = (np + BQ_GP - 1) / BQ_GP, nrb = (m + BQ_ROWS - 1) / BQ_ROWS;
+    int64_t nb = k / 32, np = (n + 15) / 16, gp = BQ_GP, ng = (np + gp - 1) / gp;
+    int par = m * k * n >= 16 * PAR_MIN_WORK, nt = MAX_THREADS();
+    int64_t most_rows = BQ_XBYTES / (2 * k) > BQ_ROWS ? BQ_XBYTES / (2 * k) : BQ_ROWS; /* k >= 32 */
+    int64_t nrb = (m + most_rows - 1) / most_rows;
+    if (par && ng * nrb < 2 * nt) { /* too few tasks for the threads: smaller row blocks, down to 48 rows */
+        int64_t want = (2 * nt + ng - 1) / ng, most = (m + 47) / 48;
+        nrb = want < most ? want : most;
+        if (nrb < 1) nrb = 1;
+    }
+    if (par && (ng * nrb) % nt) { /* a multiple of the threads where a few more blocks make one */
+        int64_t e = nrb;
+        while (e < nrb + nt && (ng * e) % nt) e++;
+        if ((ng * e) % nt == 0 && (m + e - 1) / e >= 48) nrb = e;
+    }
+    int64_t rows = (m + nrb - 1) / nrb;
+    rows = (rows + BQ_MR - 1) / BQ_MR * BQ_MR; /* whole register strips (the tail strip: the last block's) */
+    nrb = (m + rows - 1) / rows;
     float *sx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    int nt = MAX_THREADS();
-    size_t per = (size_t)BQ_GP * (size_t)nb * (16 * 16 * 4 + 32 * 4); /* bf16 pairs + d, m as float32 */
+    size_t per = (size_t)gp * (size_t)nb * (16 * 16 * 4 + 32 * 4); /* bf16 pairs + d, m as float32 */
     uint8_t *buf_all = (uint8_t *)malloc(per * (size_t)nt + 64);
     if (!sx || !buf_all) { free(sx); free(buf_all); return 0; }
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            float s = 0.f;
-            for (int i = 0; i < 32; i++) s += bf16_to_f32(x[r * ldx + b * 32 + i]);
-            sx[r * nb + b] = s;
-        }
+    bq_block_sums(x, m, nb, ldx, sx);
     __m512i lut;
     {
         uint16_t l[32];
         for (int i = 0; i < 32; i++) l[i] = f32_to_bf16((float)(i & 15));
         lut = _mm512_loadu_si512(l);
     }
-#pragma omp parallel if (m * k * n >= 16 * PAR_MIN_WORK)
+#pragma omp parallel if (par)
     {
     uint32_t *wb = (uint32_t *)(buf_all + per * (size_t)THREAD_ID());
-    float *dmf = (float *)(wb + (size_t)BQ_GP * nb * 16 * 16);
+    float *dmf = (float *)(wb + (size_t)gp * nb * 16 * 16);
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t gi = 0; gi < ng; gi++)
-        for (int64_t rb = 0; rb < nrb; rb++) {
-            int64_t p0 = gi * BQ_GP, npg = np - p0 < BQ_GP ? np - p0 : BQ_GP;
+    for (int64_t rb = 0; rb < nrb; rb++)
+        for (int64_t gi = 0; gi < ng; gi++) {
+            int64_t p0 = gi * gp, npg = np - p0 < gp ? np - p0 : gp;
             for (int64_t q = 0; q < npg; q++)
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t *src = wp + ((p0 + q) * nb + b) * BQ_PB;
@@ -1463,21 +1538,8 @@ int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
                         _mm512_storeu_si512(wb + ((q * nb + b) * 16 + s) * 16, _mm512_permutexvar_epi16(w, lut));
                     }
                 }
-            int64_t r0 = rb * BQ_ROWS, r1 = r0 + BQ_ROWS < m ? r0 + BQ_ROWS : m, r = r0, col0 = p0 * 16;
-            for (; r + BQ_MR <= r1; r += BQ_MR) {
-                int64_t q = 0;
-                for (; q + BQ_NP <= npg; q += BQ_NP)
-                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, BQ_MR, BQ_NP, bias, col0, n, out + r * ldo, ldo);
-                for (; q < npg; q++)
-                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, BQ_MR, 1, bias, col0, n, out + r * ldo, ldo);
-            }
-            for (; r < r1; r++) {
-                int64_t q = 0;
-                for (; q + BQ_NP <= npg; q += BQ_NP)
-                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, 1, BQ_NP, bias, col0, n, out + r * ldo, ldo);
-                for (; q < npg; q++)
-                    bq_tile(x + r * ldx, ldx, sx + r * nb, nb, wb, dmf, q, 1, 1, bias, col0, n, out + r * ldo, ldo);
-            }
+            int64_t r0 = rb * rows, r1 = r0 + rows < m ? r0 + rows : m;
+            bq_rows(x, ldx, sx, nb, wb, dmf, npg, bias, p0 * 16, n, out, ldo, r0, r1);
         }
     }
     free(sx);

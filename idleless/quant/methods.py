@@ -8,7 +8,8 @@ batch, on ``w8a8_gemm``'s packed weight). The GGUF formats' kernels
 (``q41_linear``, ``q80_linear``) have a GEMM tiling (a panel of the weight decoded once into a
 cache-resident float buffer) and run batches of up to ``GGUF_KERNEL_MAX_ROWS`` rows, where they were
 measured faster than dequantising into the GEMM library (benchmarks/README.md, issue 11); larger batches
-have their tiles dequantised in C (``q41_dequant`` / ``q80_dequant``) into the library's GEMM.
+have their tiles dequantised in C (``q41_dequant`` / ``q80_dequant``) into the library's GEMM. Q4_1 on
+``bi_q41_linear`` (bfloat16, AVX-512 BF16) runs batches of up to ``BI_Q41_KERNEL_MAX_ROWS`` rows there.
 
 The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
 weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
@@ -47,6 +48,10 @@ KERNEL_MAX_ROWS = 16
 #: most rows the default mode sends to the GGUF kernels (their panel GEMM); above, dequantising into the
 #: GEMM library measured faster on an AVX2 EPYC (benchmarks/README.md, issue 11)
 GGUF_KERNEL_MAX_ROWS = 256
+#: most rows the default mode sends to ``bi_q41_linear`` (Q4_1 x bfloat16 on AVX-512 BF16): up to here it
+#: measured at least as fast as dequantising into oneDNN's bfloat16 GEMM (benchmarks/README.md, issue 11/15 H1),
+#: so these batches (a prefill chunk of up to ``chunked_prefill_size`` tokens) keep the deterministic bits
+BI_Q41_KERNEL_MAX_ROWS = 2048
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -190,7 +195,7 @@ class Q4LinearMethod(QuantizedLinearMethod):
     block, the default) or Q4_0 (step only). The output layer runs in Q8_0 (``head_method``).
     Raises ValueError at load for in_features not divisible by 32."""
 
-    kernel_rows = GGUF_KERNEL_MAX_ROWS  # Q4_1's; Q4_0 has no kernel (kernel_apply None: the tiles)
+    kernel_rows = GGUF_KERNEL_MAX_ROWS  # Q4_1's (BI_Q41_KERNEL_MAX_ROWS on bi_q41_linear); Q4_0 has no kernel
     bi_q41 = True  # Q4_1 x bfloat16 on bi_q41_linear where the kernels have it (not W4A8's int8 activations)
 
     def __init__(self, row_tile: Optional[int] = None, layout: str = "q4_1", kernels=None):
@@ -203,6 +208,8 @@ class Q4LinearMethod(QuantizedLinearMethod):
         # sends to a kernel (deterministic: all; default: up to kernel_rows, which so keep the deterministic bits)
         self.use_bi_q41 = bool(self.bi_q41 and layout == "q4_1" and kernels is not None
                                and getattr(kernels, "has_bi_q41", False))
+        if self.use_bi_q41:
+            self.kernel_rows = BI_Q41_KERNEL_MAX_ROWS
 
     def process_after_load(self, layer) -> int:
         extra = super().process_after_load(layer)
