@@ -519,3 +519,22 @@ def test_start_up_costs_keep_batch_one_speculating():
     decoding by more than 10%."""
     on, rate, plain = _scripted_run(primed=True, batch=1)
     assert on >= 50 and rate > 1.1 * plain
+
+
+def test_an_unmeasured_draft_step_takes_the_level_of_the_measured_plain_step():
+    """One request, acceptance ~1. Start-up: a plain step 0.020 s, a 4-token verify 0.024 s, a draft
+    step 0.016 s. The run's plain step measures 0.030 s (1.5x its start-up twin: context, load), so a
+    4-token verify is predicted at 0.034 s and the unmeasured draft step at 1.5 x 0.016 s: three
+    guesses give 4 tokens in 0.106 s, under MARGIN x plain decoding's 1 / 0.030 per second (at the
+    start-up level of the draft step, 4 tokens in 0.082 s would have looked a 1.27x gain). Draft
+    steps measured at 0.016 s count as measured: then the guesses pay."""
+    ctl = AdaptiveProposer(Fixed(), max_draft=3)
+    ctl.step_cost.prime([(1, 0.020), (4, 0.024)])
+    ctl.draft_step_cost.prime([(1, 0.016)])
+    for _ in range(MIN_SAMPLES):
+        ctl.step_cost.add(1, 0.030)
+    assert 4 / (0.034 + 3 * 0.016) > MARGIN / 0.030 > 4 / (0.034 + 3 * 1.5 * 0.016)
+    assert ctl.draft_lengths([1.0], [10]) == [0]
+    for _ in range(MIN_SAMPLES):
+        ctl.draft_step_cost.add(1, 0.016)
+    assert ctl.draft_lengths([1.0], [10]) == [3]

@@ -11,8 +11,9 @@ from two measured things:
   per power-of-two bucket of token counts, interpolated), plus the proposer's seconds per draft step
   (a draft model runs one step per guess depth for all drafting requests together) as a function
   of the number of drafting requests (another ``StepCost``; before it is measured, its start-up
-  prior, else the proposer's ``cost_hint`` times a target step); the draft time of a plan is its
-  depth times that;
+  prior times the ratio of the run's plain step to its start-up twin (the same context makes both
+  dearer: 1.2x for 4 requests of random.json on Zen 4), else the proposer's ``cost_hint`` times a
+  target step); the draft time of a plan is its depth times that;
 * the proposer's catch-up: a draft model must first compute the tokens of a request it has not seen
   (its prompt) or that it fell behind on (steps without guesses), ``Proposer.catchup_tokens``. That
   forward's seconds per token are measured online (a third ``StepCost``, by catch-up tokens; before
@@ -142,6 +143,11 @@ class StepCost:
     @property
     def primed(self) -> bool:
         return bool(self._prior)
+
+    @property
+    def measured(self) -> bool:
+        """Whether any bucket is trusted (holds ``MIN_SAMPLES`` samples)."""
+        return any(len(b) >= MIN_SAMPLES for b in self._buckets.values())
 
     def prior(self, tokens: float):
         """The prior's seconds at ``tokens``: interpolated between its points, scaled down in
@@ -273,7 +279,11 @@ class AdaptiveProposer(Proposer):
                        key=lambda g: (-g[0], g[1], g[2]))
         verify = [self.step_cost.predict(B + m) for m in range(len(gains) + 1)]
         hint = self.inner.cost_hint  # until the proposer is measured: its hint times a target step
-        per_step = [0.0] + [self._draft_step(n, hint) for n in range(1, B + 1)]
+        # a start-up draft step read the context of a dummy request; until the run's draft steps are
+        # measured, they are taken as much dearer as the run's plain step is than its start-up twin
+        prior = self.step_cost.prior(B)
+        level = max(1.0, t_plain / prior) if prior and not self.draft_step_cost.measured else 1.0
+        per_step = [0.0] + [level * self._draft_step(n, hint) for n in range(1, B + 1)]
         best, best_plan = MARGIN * B / t_plain, []
         # the lagging requests' catch-up is all-or-nothing per request: plans with and without them
         pools = [None] + ([{i for i, c in enumerate(charge) if c == 0.0}] if any(charge) else [])
