@@ -419,25 +419,30 @@ def test_a_prior_alone_is_interpolated_and_extended_along_its_last_segment():
     assert flat.predict(256) == pytest.approx(0.019)  # a falling last segment extends flat, never down
 
 
-def test_a_prior_adds_its_difference_to_the_nearest_measured_bucket():
-    """Outside the measured range the nearest trusted bucket's seconds plus the prior's difference: a
-    plain 4-token step measured at 0.060 s (0.040 s at start-up) predicts a 28-token verify at
-    0.060 + (0.160 - 0.040); below, never less than that bucket scaled down in proportion; between
-    measured buckets the run's own points are interpolated."""
+def test_a_prior_reads_from_the_nearest_measured_bucket_the_dearer_way():
+    """Outside the measured range the nearest trusted bucket's seconds plus the prior's difference, or
+    times the prior's ratio, whichever is dearer: a plain 4-token step measured at 0.060 s (0.040 s at
+    start-up) predicts a 28-token verify at 0.060 x 0.160 / 0.040 (the ratio: 0.24 s > 0.18 s); measured
+    at 0.030 s, at 0.030 + 0.120 (the difference); below, never less than that bucket scaled down in
+    proportion; between measured buckets the run's own points are interpolated."""
     c = StepCost()
     c.prime([(1, 0.02), (4, 0.04), (28, 0.16), (64, 0.30)])
     for _ in range(MIN_SAMPLES):
         c.add(4, 0.060)
     assert c.predict(4) == pytest.approx(0.060)
-    assert c.predict(28) == pytest.approx(0.060 + 0.12)
-    assert c.predict(2) == pytest.approx(0.060 - (0.04 - (0.02 + 0.02 / 3)))
-    assert c.predict(1) == pytest.approx(0.040)
-    c.add(4, 0.010), c.add(4, 0.010), c.add(4, 0.010)  # now 0.010 s: 0.010 - 0.02 < 0, so proportional
-    assert c.predict(1) == pytest.approx(0.0025)
+    assert c.predict(28) == pytest.approx(0.060 * 0.16 / 0.04)
+    assert c.predict(2) == pytest.approx(0.060 - (0.04 - (0.02 + 0.02 / 3)))  # the difference is dearer here
+    for _ in range(WINDOW):
+        c.add(4, 0.030)
+    assert c.predict(28) == pytest.approx(0.030 + 0.12)
+    assert c.predict(1) == pytest.approx(0.030 * 0.02 / 0.04)  # 0.030 - 0.020 is less: the ratio
+    for _ in range(WINDOW):
+        c.add(4, 0.010)  # 0.010 - 0.020 < 0: the ratio (0.005 s, above the proportional 0.0025 s)
+    assert c.predict(1) == pytest.approx(0.010 * 0.02 / 0.04)
     for _ in range(MIN_SAMPLES):
         c.add(64, 0.36)
     assert c.predict(28) == pytest.approx(0.010 + 0.35 * 24 / 60)  # now between two measured buckets
-    assert c.predict(128) == pytest.approx(0.36 + 0.14 / 36 * 64)
+    assert c.predict(128) == pytest.approx(0.36 * (0.30 + 0.14 / 36 * 64) / 0.30)
 
 
 # the 4-requests-at-once case, deterministic bf16 target and W4A8 int4 self-draft at 1 thread on AMD EPYC
