@@ -543,3 +543,19 @@ def test_an_unmeasured_draft_step_takes_the_level_of_the_measured_plain_step():
     for _ in range(MIN_SAMPLES):
         ctl.draft_step_cost.add(1, 0.016)
     assert ctl.draft_lengths([1.0], [10]) == [3]
+
+
+def test_the_primed_bonus_goes_to_a_few_requests_with_the_least_evidence():
+    """Once primed, at most EXPLORE_REQUESTS requests per step (the least evidence first, ties in
+    batch order) are planned with OPTIMISM_PRIMED, the rest with OPTIMISM: a first trial at 64
+    requests is 4 requests' guesses. Unprimed, every request gets OPTIMISM."""
+    from idleless.spec.adaptive import EXPLORE_REQUESTS, OPTIMISM, OPTIMISM_PRIMED
+    ctl = AdaptiveProposer(Fixed(), max_draft=6)
+    reqs = [rec(f"r{i}") for i in range(8)]
+    ctl._counts["r0"] = [3.0, 0.0]  # r0 has evidence: not among the explorers
+    assert ctl.planning_rates(reqs) == [ctl.planning_rate(r.rid, False) for r in reqs]
+    ctl.step_cost.prime([(1, 0.01), (8, 0.02)])
+    rates = ctl.planning_rates(reqs)
+    assert rates[1:1 + EXPLORE_REQUESTS] == [pytest.approx(0.5 + OPTIMISM_PRIMED)] * EXPLORE_REQUESTS
+    assert rates[1 + EXPLORE_REQUESTS:] == [pytest.approx(0.5 + OPTIMISM)] * (7 - EXPLORE_REQUESTS)
+    assert rates[0] == pytest.approx(ctl.acceptance("r0") + OPTIMISM / 2)
