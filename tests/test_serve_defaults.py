@@ -43,3 +43,18 @@ def test_engine_threads_rule(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     launch.engine_threads(EngineConfig())
     assert os.environ["GOMP_SPINCOUNT"] == "7"
+
+
+def test_every_idleless_process_bounds_the_openmp_spin():
+    """Importing idleless (before torch) sets GOMP_SPINCOUNT unless the user set it or OMP_WAIT_POLICY; the
+    check runs in fresh interpreters, since libgomp reads it once."""
+    import subprocess
+    import sys
+
+    code = "import os, idleless, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,  # noqa: E731
+                                       text=True, check=True).stdout.strip()
+    assert run({}) == launch.SERVE_GOMP_SPINCOUNT == "30000"
+    assert run({"GOMP_SPINCOUNT": "7"}) == "7"
+    assert run({"OMP_WAIT_POLICY": "PASSIVE"}) == "None"

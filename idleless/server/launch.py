@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Optional
 
+from idleless import OPENMP_SPINCOUNT
 from idleless.config import EngineConfig, add_cli_args, config_from_args
 
 log = logging.getLogger("idleless.server")
@@ -35,8 +36,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: the server's step token budget (--max-num-batched-tokens): a burst of prompts is prefilled over
 #: several steps, so first tokens come out staggered instead of all after the whole burst
 SERVE_MAX_NUM_BATCHED_TOKENS = 1024
-#: OpenMP spin before sleeping (GOMP_SPINCOUNT) for the engine core's threads
-SERVE_GOMP_SPINCOUNT = "30000"
+#: OpenMP spin before sleeping (GOMP_SPINCOUNT) for the engine core's threads (every idleless process's default)
+SERVE_GOMP_SPINCOUNT = OPENMP_SPINCOUNT
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
