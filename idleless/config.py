@@ -88,7 +88,7 @@ class EngineConfig:
                                         "SGLang's --disable-cuda-graph, vLLM's --enforce-eager)")
     enable_deterministic_inference: Optional[bool] = option(
         None, "batch-invariant kernels: a position's logits depend on its tokens only, not on the batch, cache or "
-        "chunking (default: on in bfloat16 / float16, off in float32; off with a log line for sliding-window "
+        "chunking (default: on in bfloat16, off in float32 / float16; off with a log line for sliding-window "
         "models, which have no batch-invariant attention yet)", negative="--disable-deterministic-inference")
     seed: int = option(0, "engine random seed (SGLang's --random-seed); a request without its own seed still "
                        "draws a random sampling key", "--random-seed")

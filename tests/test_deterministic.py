@@ -384,11 +384,11 @@ def test_head_dim_64_alone_beside_others_and_chunked_change_nothing(det_model_d6
 
 # ---- the default (issue 11: invariant by default in bfloat16) ----
 def test_the_default_resolves_on_in_half_precision_and_off_in_float32(caplog):
-    """``enable_deterministic_inference`` None (the default) is on in bfloat16 / float16, off in float32, and
+    """``enable_deterministic_inference`` None (the default) is on in bfloat16, off in float32 and float16, and
     off with a log line for a sliding-window model; an explicit True / False wins."""
     from idleless.model.runner import resolve_deterministic
 
-    assert resolve_deterministic(None, torch.bfloat16, None) and resolve_deterministic(None, torch.float16, None)
+    assert resolve_deterministic(None, torch.bfloat16, None) and not resolve_deterministic(None, torch.float16, None)
     assert not resolve_deterministic(None, torch.float32, None)
     assert resolve_deterministic(True, torch.float32, None) and not resolve_deterministic(False, torch.bfloat16, None)
     with caplog.at_level("INFO", logger="idleless.model.runner"):

@@ -531,3 +531,22 @@ def test_a_seeded_rows_token_depends_on_its_position_and_probabilities_only():
         assert sample(logits[i:i + 1], [r], set()).next_ids == [out[i]]  # alone
     rev = sample(logits.flip(0), rows[::-1], set()).next_ids
     assert rev[::-1] == out
+
+
+def test_top_logprobs_of_a_row_do_not_depend_on_the_other_rows_k():
+    """A row's top pairs are its k most likely tokens, ties by ascending token id, whatever k the other rows
+    of the call ask for (a breaker found torch.topk's tie order change with k: a greedy request's
+    top_logprobs changed beside a request asking for 20). Brute force: sort by (-logprob, id)."""
+    from idleless.model.sampler import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    row = torch.randint(0, 4, (1, 300), generator=g).float()  # few distinct values: ties everywhere
+    lp = torch.log_softmax(row, -1)[0]
+    for k in (1, 2, 3, 5, 17):
+        want = sorted(range(300), key=lambda i: (-float(lp[i]), i))[:k]
+        alone = token_logprobs(row, torch.tensor([0]), [k])[1][0]
+        beside = token_logprobs(row.repeat(3, 1), torch.tensor([0, 1, 2]), [40, k, 300])[1][1]
+        assert [t for t, _ in alone] == [t for t, _ in beside] == want
+        assert [v for _, v in alone] == [float(lp[i]) for i in want]
+    nan_row = torch.full((1, 8), float("nan"))
+    assert len(token_logprobs(nan_row, torch.tensor([0]), [3])[1][0]) == 3

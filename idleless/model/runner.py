@@ -103,14 +103,14 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def resolve_deterministic(setting: Optional[bool], dtype: torch.dtype, sliding_window: Optional[int]) -> bool:
     """Whether the batch-invariant kernels run (``enable_deterministic_inference``): True / False as set;
-    None (the default) -> on in bfloat16 / float16, where the default's GEMMs change their summation order
-    with the batch and a greedy answer would change with the traffic beside it, off in float32 (the
-    invariance is asked of half precision; float32's cost was measured high on AVX2-only CPUs); and off,
+    None (the default) -> on in bfloat16, where the other GEMMs change their summation order with the batch
+    and a greedy answer would change with the traffic beside it; off in float32 (its cost was measured
+    high on AVX2-only CPUs) and float16 (no fp16 kernels: the mode's torch fallback is slow); and off,
     with a log line, for a sliding-window model, which has no batch-invariant attention yet (set
     explicitly, the attention backend raises ValueError for it)."""
     if setting is not None:
         return setting
-    if dtype == torch.float32:
+    if dtype != torch.bfloat16:
         return False
     if sliding_window is not None:
         log.info("deterministic inference off: sliding-window attention has no batch-invariant backend yet "
@@ -193,9 +193,9 @@ class ModelRunner:
             self.tp.connect()  # rank 0: the workers have loaded; every rank joins the process group
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %d layers) in %.1f s; weights %s, activations %s; KV pool %d tokens in %s "
-                 "(%.2f GiB)", self.model_dir, self.dtype, mc.num_hidden_layers, self.load_seconds, self.weight_dtype,
-                 config.activation_dtype, self.pool.num_slots, config.kv_cache_dtype,
-                 self.pool.num_slots * per_token / 1024**3)
+                 "(%.2f GiB); deterministic inference %s", self.model_dir, self.dtype, mc.num_hidden_layers,
+                 self.load_seconds, self.weight_dtype, config.activation_dtype, self.pool.num_slots,
+                 config.kv_cache_dtype, self.pool.num_slots * per_token / 1024**3, "on" if det else "off")
         # accuracy gate (issue 14): the precision combination against the unquantised model on a built-in
         # text; raises QuantizationGateError past --max-quantization-kl (idleless.quant.gate)
         from idleless.quant.gate import precision_report

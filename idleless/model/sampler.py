@@ -371,12 +371,29 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     tops: list[list[tuple[int, float]]] = [[] for _ in values]
     k_max = min(max(num_top, default=0), lp.shape[1])
     if k_max:
-        top_v, top_i = (t.tolist() for t in lp.topk(k_max, -1))
+        top_v, top_i = lp.topk(k_max, -1)
         for r, k in enumerate(num_top):
             if k:
-                tops[r] = list(zip(top_i[r][:k], top_v[r][:k]))
+                tops[r] = _top_pairs(lp[r], top_v[r], top_i[r], min(k, k_max))
     ranks = ((lp > chosen).sum(-1) + 1).tolist() if with_rank else None
     return values, tops, ranks
+
+
+def _top_pairs(row: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token_id, logprob) pairs of one log-softmax row [V] (float32), most likely first,
+    equal values by ascending token id: a function of the row and k alone. ``topk`` orders equal values
+    differently for different k, and a step's rows share one ``topk`` at the largest k asked, so a tie at
+    a request's k-th place otherwise depended on the other requests' k (frequent in bf16).
+    top_v / top_i: the row's ``topk`` at some k' >= k (its values are the same whatever k'), the fallback
+    where the row has fewer than k comparable values (NaN)."""
+    kth = top_v[k - 1]
+    above = (row > kth).nonzero().squeeze(1)
+    ids = torch.cat([above, (row == kth).nonzero().squeeze(1)[:k - above.numel()]])
+    if ids.numel() < k:
+        ids = top_i[:k]
+    vals = row[ids]
+    order = vals.sort(descending=True, stable=True).indices  # ids ascend within equal values
+    return list(zip(ids[order].tolist(), vals[order].tolist()))
 
 
 def _fill_logprobs(out: SampleOutput, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
