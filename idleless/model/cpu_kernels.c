@@ -1008,6 +1008,13 @@ static inline void ca_gather_##SUF(const T *k_cache, const T *v_cache, const int
 DEFINE_CA_GATHER(f32, float)
 DEFINE_CA_GATHER(bf16, uint16_t)
 
+/* a dtype without the VDPBF16PS pair paths: ca_dp_<sfx> says no, so ca_task_pp_<sfx> is never called */
+#define CA_PP_STUB(T, sfx) \
+    static inline int ca_dp_##sfx(int64_t d) { return 0; } \
+    static inline void ca_task_pp_##sfx(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
+        const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0, int64_t e1, \
+        int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, float *st_acc, \
+        int store, T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb) {}
 /* ---- Batch-invariant kernels on AVX-512 BF16 (helper H3, issue 11 on AMD EPYC Zen 4) ------------------
  * Where the CPU has VDPBF16PS, the bfloat16 batch-invariant kernels take bf16 pairs as the instruction
  * wants them: each product of two bf16 values is exact in float32, two of them added to the float32
@@ -1326,24 +1333,12 @@ static void bi_linear_pack_dp_bf16(const uint16_t *w, int64_t n, int64_t k, uint
 #define BI_DP_LINEAR_bf16(...) if (k % 2 == 0) return bi_linear_dp_bf16(__VA_ARGS__);
 #define BI_DP_PACK_bf16(...) if (k % 2 == 0) { bi_linear_pack_dp_bf16(__VA_ARGS__); return; }
 #else
-static inline int ca_dp_bf16(int64_t d) { return 0; }
-static inline void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                                   const uint16_t *v_cache, const int64_t *sl, int64_t nkeys, const int64_t *rows,
-                                   const int64_t *limits, int64_t e0, int64_t e1, int64_t kh, int64_t nh, int64_t nkv,
-                                   int64_t d, float scale, float *st_m, float *st_l, float *st_acc, int store,
-                                   uint16_t *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm,
-                                   uint32_t *pb) {}
+CA_PP_STUB(uint16_t, bf16)
 #define BI_DP_LINEAR_bf16(...)
 #define BI_DP_PACK_bf16(...)
 #endif
 /* float32 never takes the pair paths */
-static inline int ca_dp_f32(int64_t d) { return 0; }
-static inline void ca_task_pp_f32(const float *q, int64_t q_stride, const float *k_cache,
-                                   const float *v_cache, const int64_t *sl, int64_t nkeys, const int64_t *rows,
-                                   const int64_t *limits, int64_t e0, int64_t e1, int64_t kh, int64_t nh, int64_t nkv,
-                                   int64_t d, float scale, float *st_m, float *st_l, float *st_acc, int store,
-                                   float *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm,
-                                   uint32_t *pb) {}
+CA_PP_STUB(float, f32)
 #define BI_DP_LINEAR_f32(...)
 #define BI_DP_PACK_f32(...)
 /* ---- end of the AVX-512 BF16 batch-invariant block ---- */
