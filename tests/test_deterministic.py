@@ -65,7 +65,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype, kind, n, k, bia
     ref = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
     assert (full.double() - ref).abs().max().item() < tol
-    for m in (1, 2, 3, 5, 7, 16, 17, 64, 65, 299):
+    for m in (1, 2, 3, 4, 5, 7, 11, 16, 17, 64, 65, 299):
         part = lin(x[:m])
         assert torch.equal(part, full[:m]), f"rows of a {m}-row batch differ from the 300-row batch"
     perm = torch.randperm(300, generator=_gen(2))
@@ -385,7 +385,8 @@ def test_head_dim_64_alone_beside_others_and_chunked_change_nothing(det_model_d6
 # ---- the default (issue 11: invariant by default in bfloat16) ----
 def test_the_default_resolves_on_in_half_precision_and_off_in_float32(caplog):
     """``enable_deterministic_inference`` None (the default) is on in bfloat16, off in float32 and float16, and
-    off with a log line for a sliding-window model; an explicit True / False wins."""
+    off with a log line for a sliding-window model and for int8 / fp8 weights with bf16 activations; an
+    explicit True / False wins."""
     from idleless.model.runner import resolve_deterministic
 
     assert resolve_deterministic(None, torch.bfloat16, None) and not resolve_deterministic(None, torch.float16, None)
@@ -395,6 +396,12 @@ def test_the_default_resolves_on_in_half_precision_and_off_in_float32(caplog):
         assert not resolve_deterministic(None, torch.bfloat16, 4096)
     assert "sliding-window" in caplog.text
     assert resolve_deterministic(True, torch.bfloat16, 4096)  # the attention backend then refuses it
+    # int8 / fp8 weights with bf16 activations: off by default (no invariant prefill kernel), on when asked
+    for w in ("int8", "fp8"):
+        assert not resolve_deterministic(None, torch.bfloat16, None, w, "bf16")
+        assert resolve_deterministic(True, torch.bfloat16, None, w, "bf16")
+    for w, a in (("int4", "bf16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int8")):
+        assert resolve_deterministic(None, torch.bfloat16, None, w, a)
 
 
 def test_cli_default_enable_and_disable_flags():
