@@ -89,7 +89,8 @@ class EngineConfig:
     enable_deterministic_inference: Optional[bool] = option(
         None, "batch-invariant kernels: a position's logits depend on its tokens only, not on the batch, cache or "
         "chunking (default: on in bfloat16, off in float32 / float16; off with a log line for sliding-window "
-        "models, which have no batch-invariant attention yet)", negative="--disable-deterministic-inference")
+        "models, which have no batch-invariant attention yet, and int8 / fp8 weights with bf16 activations)",
+        negative="--disable-deterministic-inference")
     seed: int = option(0, "engine random seed (SGLang's --random-seed); a request without its own seed still "
                        "draws a random sampling key", "--random-seed")
     context_length: Optional[int] = option(None, "most tokens (prompt + output) of a request (default: the "

@@ -101,16 +101,24 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def resolve_deterministic(setting: Optional[bool], dtype: torch.dtype, sliding_window: Optional[int]) -> bool:
+def resolve_deterministic(setting: Optional[bool], dtype: torch.dtype, sliding_window: Optional[int],
+                          weight_dtype: str = "bf16", activation_dtype: str = "bf16") -> bool:
     """Whether the batch-invariant kernels run (``enable_deterministic_inference``): True / False as set;
     None (the default) -> on in bfloat16, where the other GEMMs change their summation order with the batch
     and a greedy answer would change with the traffic beside it; off in float32 (its cost was measured
     high on AVX2-only CPUs) and float16 (no fp16 kernels: the mode's torch fallback is slow); and off,
     with a log line, for a sliding-window model, which has no batch-invariant attention yet (set
-    explicitly, the attention backend raises ValueError for it)."""
+    explicitly, the attention backend raises ValueError for it), and for int8 / fp8 weights with bf16
+    activations, whose invariant path is their GEMV kernel at every batch size (prefill 3.3x slower:
+    benchmarks/README.md, "Issue 14 after the deterministic default")."""
     if setting is not None:
         return setting
     if dtype != torch.bfloat16:
+        return False
+    if weight_dtype in ("int8", "fp8") and activation_dtype == "bf16":
+        log.info("deterministic inference off: %s weights with bf16 activations have no batch-invariant "
+                 "prefill kernel yet (--enable-deterministic-inference runs their decode kernel for every batch)",
+                 weight_dtype)
         return False
     if sliding_window is not None:
         log.info("deterministic inference off: sliding-window attention has no batch-invariant backend yet "
@@ -150,13 +158,14 @@ class ModelRunner:
         self.context_length = config.context_length or mc.max_position_embeddings
         self.kernels = None if config.disable_cpu_kernels else cpu_kernels.load(self.dtype, config.device)
         self.ops = select_ops(self.kernels)
-        # issue 11: batch-invariant numerics by default in half precision (``resolve_deterministic``)
-        self.deterministic = det = resolve_deterministic(config.enable_deterministic_inference, self.dtype,
-                                                         getattr(mc, "sliding_window", None))
         # precision (issue 14): --weight-dtype auto is the checkpoint's own format (native Q4_1 for the
         # bundled GGUF), --activation-dtype, --kv-cache-dtype; quantised methods are chosen here too
         self.weight_dtype = config.weight_dtype if config.weight_dtype != "auto" else (
             native_weight_dtype(config.model) or "bf16")
+        # issue 11: batch-invariant numerics by default in bfloat16 (``resolve_deterministic``)
+        self.deterministic = det = resolve_deterministic(config.enable_deterministic_inference, self.dtype,
+                                                         getattr(mc, "sliding_window", None), self.weight_dtype,
+                                                         config.activation_dtype)
         self.linear_method = select_linear_method(self.dtype, config.device, config.disable_weight_prepack,
                                                   self.kernels, deterministic=det, weight_dtype=self.weight_dtype,
                                                   activation_dtype=config.activation_dtype)
