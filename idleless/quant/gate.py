@@ -93,6 +93,8 @@ def reference_runner(runner, num_tokens: int):
     # the reference's KV is in the model dtype: a static fp8 scale file is not its to read
     ref_cfg = replace(cfg, weight_dtype="bf16", activation_dtype="bf16", kv_cache_dtype="auto",
                       quantization_param_path=None,
+                      # the served runner's numerics mode (its log line then says the same)
+                      enable_deterministic_inference=getattr(runner, "deterministic", False),
                       kv_cache_memory=per_token * (num_tokens + cfg.page_size))
     return ModelRunner(ref_cfg)
 

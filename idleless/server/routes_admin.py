@@ -206,7 +206,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def get_server_info():
         """SGLang's server info: the server args (every EngineConfig field, also under SGLang's names
         ``model_path``, ``tokenizer_path``, ``random_seed``, with ``tp_size`` / ``dp_size`` 1, host and
-        port; never the API key; ``enable_deterministic_inference`` as the engine resolved it), the scheduler info (``max_total_num_tokens``, ``max_req_input_len``),
+        port; never the API key; ``dtype`` and ``enable_deterministic_inference`` as the engine resolved
+        them), the scheduler info (``max_total_num_tokens``, ``max_req_input_len``),
         ``internal_states`` (the engine's stats, one entry per engine; empty when it does not answer)
         and ``version``."""
         try:
@@ -215,7 +216,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             states = []
         cfg = client.config
         return JSONResponse({
-            **dataclasses.asdict(cfg), "enable_deterministic_inference": client.info.deterministic,  # as resolved
+            **dataclasses.asdict(cfg), "dtype": client.info.dtype,  # as resolved, like the next one
+            "enable_deterministic_inference": client.info.deterministic,
             "model_path": settings.model_path,
             "tokenizer_path": cfg.tokenizer or settings.model_path, "random_seed": cfg.seed,
             "tp_size": cfg.tensor_parallel_size,
