@@ -15,8 +15,17 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 #: shared-prefix workload's time"); read when libgomp loads (with torch), so set here; the user's
 #: GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 OPENMP_SPINCOUNT = "30000"
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+
+
+def bound_openmp_spin() -> None:
+    """Set GOMP_SPINCOUNT to ``OPENMP_SPINCOUNT`` in this process's environment (inherited by the processes
+    it starts) unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is already set. Takes effect in a process whose
+    libgomp has not loaded yet (before torch is imported)."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+
+
+bound_openmp_spin()
 
 from idleless.config import EngineConfig  # noqa: E402 (after the environment above)
 from idleless.engine.request import FinishReason  # noqa: E402

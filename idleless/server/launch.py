@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Optional
 
-from idleless import OPENMP_SPINCOUNT
+from idleless import OPENMP_SPINCOUNT, bound_openmp_spin
 from idleless.config import EngineConfig, add_cli_args, config_from_args
 
 log = logging.getLogger("idleless.server")
@@ -178,8 +178,7 @@ def engine_threads(config: EngineConfig) -> None:
     if config.num_threads == 0:
         config.num_threads = usable_cores()
         config.adaptive_threads = True
-    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = SERVE_GOMP_SPINCOUNT  # read by the spawned engine core's libgomp
+    bound_openmp_spin()  # read by the spawned engine core's libgomp
     torch.set_num_threads(1)
 
 
