@@ -113,3 +113,34 @@ def test_server_accepts_harmless_and_bookkeeping_fields(http):
                                                 "response_format": {"type": "text"}, "tools": [],
                                                 "tool_choice": "none", "priority": 0, "guided_json": None})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {**COMP, "logprobs": True}, "logprobs"),  # lax pydantic read it as 1
+    (CompletionRequest, {**COMP, "logprobs": "3"}, "logprobs"),
+    (ChatCompletionRequest, {**CHAT, "logprobs": "yes"}, "logprobs"),
+    (ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
+])
+def test_coercible_values_are_refused_not_coerced(model, body, param):
+    """A value of the wrong JSON type is a 400 naming the field, never silently converted."""
+    with pytest.raises(APIError) as e:
+        parse_request(model, body)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_message_without_content_is_refused(role):
+    """OpenAI's API requires content on every message but an assistant's (its tool-call turns)."""
+    msg = {"role": role, **({"tool_call_id": "c1"} if role == "tool" else {})}
+    for m in (msg, {**msg, "content": None}):
+        with pytest.raises(APIError) as e:
+            parse_request(ChatCompletionRequest, {**CHAT, "messages": [m]})
+        assert e.value.status == 400 and e.value.param.startswith("messages"), e.value.message
+        assert "content" in e.value.message
+
+
+def test_assistant_without_content_and_typed_logprobs_are_accepted():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "again"}]
+    r = parse_request(ChatCompletionRequest, {**CHAT, "messages": history, "logprobs": True, "top_logprobs": 2})
+    assert r.sampling_params().top_logprobs == 2 and r.messages[1].to_template()["content"] == ""
+    assert parse_request(CompletionRequest, {**COMP, "logprobs": 3}).sampling_params().top_logprobs == 3

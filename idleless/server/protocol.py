@@ -36,7 +36,8 @@ import json
 import time
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_serializer,
+                      model_validator)
 
 from idleless.engine.request import RequestError, SamplingParams
 from idleless.sampling_params import MAX_LOGPROBS
@@ -393,7 +394,7 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: PromptType
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[StrictInt] = None  # strict: true or "3" is refused, not read as 1 or 3
     prompt_logprobs: Optional[StrictInt] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -429,13 +430,21 @@ class TextPart(_Lenient):
 
 class ChatMessage(_Lenient):
     """One chat message; ``developer`` is treated as ``system``. ``content`` is a string, a list
-    of text parts (joined with newlines) or null (an assistant turn without text)."""
+    of text parts (joined with newlines) or, for an assistant turn only, null or absent (a turn of
+    tool calls without text), as OpenAI's API: a system, user or tool message without content is a
+    400 (ValueError at validation)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn's calls (content then usually null)
     tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        return self
 
     def to_template(self) -> dict:
         """The message for the chat template; a tool call's JSON ``arguments`` text becomes an object
@@ -548,8 +557,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     Template fields: :class:`_ChatTemplateFields`."""
 
     max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
     prompt_logprobs: Optional[StrictInt] = None
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
