@@ -10,6 +10,8 @@ import random
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from idleless.spec.adaptive import (CATCHUP_HORIZON, DECAY, MARGIN, MIN_SAMPLES, PLAIN_REFRESH, PRIOR_WEIGHT, WINDOW,
                                     AdaptiveProposer, StepCost, expected_tokens)
@@ -559,3 +561,20 @@ def test_the_primed_bonus_goes_to_a_few_requests_with_the_least_evidence():
     assert rates[1:1 + EXPLORE_REQUESTS] == [pytest.approx(0.5 + OPTIMISM_PRIMED)] * EXPLORE_REQUESTS
     assert rates[1 + EXPLORE_REQUESTS:] == [pytest.approx(0.5 + OPTIMISM)] * (7 - EXPLORE_REQUESTS)
     assert rates[0] == pytest.approx(ctl.acceptance("r0") + OPTIMISM / 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3), base=st.floats(0.001, 0.1),
+       per_token=st.floats(0.0, 0.02), caps=st.lists(st.integers(0, 4), min_size=3, max_size=3))
+def test_free_drafting_is_exactly_the_optimum_near_the_off_threshold(rates, base, per_token, caps):
+    """Drafting free (ngram): the plan equals the brute-force optimum over every draft-length vector,
+    also where the best verify only just beats or loses to plain decoding (the search's early exit,
+    a bound on every plan's ratio, must never turn off a plan that pays)."""
+    B = len(rates)
+    ctl = AdaptiveProposer(Fixed(), max_draft=4)
+    ctl.step_cost = scripted_cost(lambda x: base + per_token * x, [1, 2, 3, 4, 6, 8, 12, 16])
+    ks = ctl.draft_lengths(list(rates), caps[:B])
+    best, _ = brute_force(ctl, rates, caps[:B])
+    value = B + sum(a ** j for a, k in zip(rates, ks) for j in range(1, k + 1))
+    margin = MARGIN if sum(ks) == 0 else 1.0
+    assert margin * value / ctl.step_cost.predict(B + sum(ks)) == pytest.approx(best, rel=1e-9)

@@ -16,7 +16,7 @@ from conftest import TEST_THREADS, make_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idleless.spec.ngram import INDEX_WINDOWS, MAX_OCCURRENCES, MIN_PROB, NgramProposer
+from idleless.spec.ngram import BULK_SYNC, INDEX_WINDOWS, MAX_OCCURRENCES, MIN_PROB, NgramProposer, _suffix_keys
 
 
 def rec(rid, prompt, output=()):
@@ -123,6 +123,30 @@ def test_incremental_updates_equal_a_rebuild(tokens, window, chunks, prompt_len,
         assert p.propose([r], [k]) == [want]
         assert NgramProposer(lo, hi, max_index_tokens=0).propose([r], [k]) == [want]
         end += c
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 6), min_size=BULK_SYNC + 2, max_size=400), window=window_st,
+       grow=st.lists(st.integers(1, 2 * BULK_SYNC), max_size=4), k=st.integers(1, 8))
+def test_a_long_prompts_bulk_sync_equals_the_loop_and_brute_force(tokens, window, grow, k):
+    """More than BULK_SYNC new tokens at once are indexed with numpy (``_end_keys``): the per-request
+    table equals the one the loop over ``_suffix_keys`` builds (same keys, same most recent ends, same
+    order), and the guesses equal the brute-force search's, also after later growth by either path."""
+    lo, hi = window
+    windows = range(lo, hi + 1)
+    P = len(tokens) // 3
+    p = NgramProposer(lo, hi, max_index_tokens=0)
+    end = max(P, len(tokens) - sum(grow))  # the first call: prompt and output so far in one sync
+    for g in [0] + grow:
+        end = min(end + g, len(tokens))
+        r = rec("r", tokens[:P], tokens[P:end])
+        assert p.propose([r], [k]) == [brute_lookup(tokens[:end], lo, hi, k)[1]]
+        want = {}
+        for e in range(1, end):
+            for key in _suffix_keys(tokens[:end], e, windows):
+                want[key] = e
+        got = p._reqs["r"].ends
+        assert got == want and list(got) == list(want)
 
 
 @pytest.mark.parametrize("change", ["truncated", "last_replaced", "regrown", "prompt_replaced", "prompt_longer"])

@@ -293,13 +293,22 @@ class AdaptiveProposer(Proposer):
         gains = sorted(((a ** j, j, i) for i, a in enumerate(rates) for j in range(1, caps[i] + 1)),
                        key=lambda g: (-g[0], g[1], g[2]))
         verify = [self.step_cost.predict(B + m) for m in range(len(gains) + 1)]
+        best, best_plan = MARGIN * B / t_plain, []
+        # no plan of m guesses beats (B + the m largest gains) / verify[m] (its draft and catch-up
+        # seconds are >= 0): where that bound loses for every m, speculation is off without the search
+        # below (most steps of a batch whose verifies do not pay; the same answer, found sooner)
+        bound, top = float(B), []
+        for m, (gain, _, _) in enumerate(gains, 1):
+            bound += gain
+            top.append(bound / verify[m])
+        if not top or max(top) <= best * (1 + 1e-12):
+            return [0] * B
         hint = self.inner.cost_hint  # until the proposer is measured: its hint times a target step
         # a start-up draft step read the context of a dummy request; until the run's draft steps are
         # measured, they are taken as much dearer as the run's plain step is than its start-up twin
         prior = self.step_cost.prior(B)
         level = max(1.0, t_plain / prior) if prior and not self.draft_step_cost.measured else 1.0
         per_step = [0.0] + [level * self._draft_step(n, hint) for n in range(1, B + 1)]
-        best, best_plan = MARGIN * B / t_plain, []
         # the lagging requests' catch-up is all-or-nothing per request: plans with and without them
         pools = [None] + ([{i for i, c in enumerate(charge) if c == 0.0}] if any(charge) else [])
         for allowed, cap in itertools.product(pools, range(1, max(caps, default=0) + 1)):

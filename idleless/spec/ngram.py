@@ -46,6 +46,10 @@ MAX_OCCURRENCES = 1024
 # The suffix index merges its newest two sorted runs while the older is at most this times the newer.
 MERGE_FACTOR = 4
 
+# _sync indexes more new tokens than this at once with numpy (a prompt's first sync: 64 prompts of ~900
+# tokens with windows 1-12 are 0.7M keys), fewer with a loop per token (a step's few new tokens).
+BULK_SYNC = 32
+
 _B = 0x9E3779B97F4A7C15  # odd multiplier of the polynomial n-gram hash (mod 2**64)
 _MASK = (1 << 64) - 1
 
@@ -76,6 +80,27 @@ def _context_keys(tokens: list[int], start: int, windows: range) -> tuple[np.nda
             keys.append(h)
             nexts.append(t[ends])
     return np.concatenate(keys), np.concatenate(nexts)
+
+
+def _end_keys(tokens: list[int], start: int, windows: range) -> tuple[list[int], list[int]]:
+    """Every (key, end) of ``tokens`` for ends e in [start, len(tokens)): the ``_suffix_keys`` hash of
+    tokens[e - n:e] for n in windows, n <= e, as Python ints, in the order ``_sync``'s loop visits
+    them (e ascending, then n), so a dict built from them keeps each key's most recent end."""
+    t1 = np.asarray(tokens, dtype=np.int64).astype(np.uint64) + np.uint64(1)
+    ends = np.arange(start, len(t1))
+    h = np.zeros(len(ends), np.uint64)
+    keys, at = [], []
+    for n in range(1, windows.stop):
+        ends = ends[ends >= n]
+        h = h[len(h) - len(ends):] * np.uint64(_B) + t1[ends - n]
+        if n >= windows.start:
+            keys.append(h)
+            at.append(ends)
+    if not keys:
+        return [], []
+    keys, at = np.concatenate(keys), np.concatenate(at)
+    order = np.argsort(at, kind="stable")  # e-major; within an end, n ascending (the concatenation's order)
+    return keys[order].tolist(), at[order].tolist()
 
 
 class _Lookup:
@@ -262,6 +287,9 @@ class NgramProposer(Proposer):
             seen = 0
         st.tokens += (prompt + output) if not seen else output[seen - len(prompt):]
         toks, ends, windows = st.tokens, st.ends, self.windows
+        if len(toks) - seen > BULK_SYNC:  # a prompt's first sync: numpy, not a loop per token
+            ends.update(zip(*_end_keys(toks, max(seen, 1), windows)))
+            return st
         for e in range(max(seen, 1), len(toks)):
             for key in _suffix_keys(toks, e, windows):
                 ends[key] = e
