@@ -59,8 +59,10 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: Adm
     n = len(prompt_ids)
     if n == 0:
         raise RequestError("the prompt is empty", param="prompt", code="invalid_prompt")
-    for t in prompt_ids:
-        if not _is_token_id(t, limits.vocab_size):
+    v = limits.vocab_size  # builtins first: a long prompt costs no Python call per token
+    plain = all(type(t) is int for t in prompt_ids) and 0 <= min(prompt_ids) and max(prompt_ids) < v
+    for t in () if plain else prompt_ids:  # else the first offender, for the message
+        if not _is_token_id(t, v):
             raise RequestError(f"prompt token id {t!r} is outside the vocabulary [0, {limits.vocab_size})",
                                param="prompt", code="invalid_prompt")
     params.validate(limits.vocab_size)
