@@ -70,7 +70,11 @@ def test_large_batches_run_on_the_kernel(dtype, head):
     kern = _kernels(dtype)
     lin, _ = _layer(head, dtype, kern)
     x = torch.randn(3 * KERNEL_MAX_ROWS + 5, lin.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
-    qt = lin.quant
-    direct = kern.q80_linear(x, qt["q"], qt["d"], lin.bias) if head else \
-        kern.q41_linear(x, qt["qs"], qt["d"], qt["m"], lin.bias)
+    qt, method = lin.quant, lin.method
+    if head:  # the kernel the method runs: bi_q80_linear / bi_q41_linear on AVX-512 BF16 for bfloat16
+        direct = kern.bi_q80_linear(x, qt["bi"], qt["d"].shape[0], lin.bias) if method.use_bi_q80 else \
+            kern.q80_linear(x, qt["q"], qt["d"], lin.bias)
+    else:
+        direct = kern.bi_q41_linear(x, qt["bi"], qt["d"].shape[0], lin.bias) if method.use_bi_q41 else \
+            kern.q41_linear(x, qt["qs"], qt["d"], qt["m"], lin.bias)
     assert torch.equal(lin(x), direct)

@@ -1495,15 +1495,10 @@ static void bq_block_sums(const uint16_t *x, int64_t m, int64_t nb, int64_t ldx,
         sx[f] = s;
     }
 }
-/* out [m, n] (rows ldo apart) = x [m, k] (bf16 rows ldx apart) W^T (+ bias), W from bi_q41_pack; k a
- * multiple of 32. Returns 0 when buffers cannot be allocated, else 1. Thread tasks: (row block, group of
- * BQ_GP panels), row blocks outer, so a thread's consecutive tasks share their x rows; a row block holds
- * about BQ_XBYTES of x (at least BQ_ROWS rows), fewer rows where the groups alone would leave threads idle,
- * a whole number of BQ_MR-row strips. */
-int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
-                  const uint16_t *bias, uint16_t *out, int64_t ldo) {
-    int64_t nb = k / 32, np = (n + 15) / 16, gp = BQ_GP, ng = (np + gp - 1) / gp;
-    int par = m * k * n >= 16 * PAR_MIN_WORK, nt = MAX_THREADS();
+/* rows per row block of a thread task (the section comment; ng groups of panels, nt threads): about
+ * BQ_XBYTES of x (at least BQ_ROWS rows), fewer where the groups alone would leave threads idle, a whole
+ * number of BQ_MR-row strips */
+static int64_t bq_block_rows(int64_t m, int64_t k, int64_t ng, int par, int nt) {
     int64_t most_rows = BQ_XBYTES / (2 * k) > BQ_ROWS ? BQ_XBYTES / (2 * k) : BQ_ROWS; /* k >= 32 */
     int64_t nrb = (m + most_rows - 1) / most_rows;
     if (par && ng * nrb < 2 * nt) { /* too few tasks for the threads: smaller row blocks, down to 48 rows */
@@ -1517,8 +1512,18 @@ int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
         if ((ng * e) % nt == 0 && (m + e - 1) / e >= 48) nrb = e;
     }
     int64_t rows = (m + nrb - 1) / nrb;
-    rows = (rows + BQ_MR - 1) / BQ_MR * BQ_MR; /* whole register strips (the tail strip: the last block's) */
-    nrb = (m + rows - 1) / rows;
+    return (rows + BQ_MR - 1) / BQ_MR * BQ_MR; /* whole register strips (the tail strip: the last block's) */
+}
+/* out [m, n] (rows ldo apart) = x [m, k] (bf16 rows ldx apart) W^T (+ bias), W from bi_q41_pack; k a
+ * multiple of 32. Returns 0 when buffers cannot be allocated, else 1. Thread tasks: (row block, group of
+ * BQ_GP panels), row blocks outer, so a thread's consecutive tasks share their x rows; a row block holds
+ * about BQ_XBYTES of x (at least BQ_ROWS rows), fewer rows where the groups alone would leave threads idle,
+ * a whole number of BQ_MR-row strips. */
+int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
+                  const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    int64_t nb = k / 32, np = (n + 15) / 16, gp = BQ_GP, ng = (np + gp - 1) / gp;
+    int par = m * k * n >= 16 * PAR_MIN_WORK, nt = MAX_THREADS();
+    int64_t rows = bq_block_rows(m, k, ng, par, nt), nrb = (m + rows - 1) / rows;
     float *sx = (float *)malloc(sizeof(float) * (size_t)(m * nb));
     size_t per = (size_t)gp * (size_t)nb * (16 * 16 * 4 + 32 * 4); /* bf16 pairs + d, m as float32 */
     uint8_t *buf_all = (uint8_t *)malloc(per * (size_t)nt + 64);
@@ -1564,6 +1569,219 @@ int bi_q41_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const ui
                   const uint16_t *bias, uint16_t *out, int64_t ldo) { return 0; }
 #endif
 /* ---- end of the batch-invariant GGUF Q4_1 block ---- */
+
+/* ---- Batch-invariant GGUF Q8_0 x bfloat16 on AVX-512 BF16 (issue 15/14: the bundled model's lm_head) ----
+ * bi_q41_linear's scheme for Q8_0 blocks (int8 codes, float16 step d; w = d code). Per output element, one
+ * chain whatever the number of rows: for each block b of 32 input features in order, t = VDPBF16PS chain
+ * over the block's 16 pairs (x[2i], x[2i+1]) . (code[2i], code[2i+1]) from 0 (codes -127..127 are exact in
+ * bf16, their products with bf16 x exact in float32), then acc = fma(d_b, t, acc); out = bf16(acc + bias).
+ * bi_q80_pack lays a weight out once per panel of 16 columns and block: d[16] (float16), then 16 pair steps
+ * s of 32 bytes: columns 0..7's codes (2s, 2s + 1) in bytes 0..15, columns 8..15's in bytes 16..31, so
+ * two sign extensions, two int -> float conversions and one VCVTNE2PS2BF16 turn a step into the 16 bf16
+ * pairs of its columns (bz_step): BZ_PB bytes, as many as GGUF's blocks (any int8 code, -128 too; zero past
+ * column n). Up to BZ_REG_ROWS rows (decode) the steps are decoded in registers and applied at once
+ * (bz_rtile, tasks: groups of BQ_GP panels, each tile prefetching the next one's bytes into L2); more rows
+ * run bi_q41_linear's tasks (row block, group of panels): the group decoded to bf16 pairs once in a
+ * thread's buffer, its rows over it in BQ_MR x BQ_NP register tiles (bz_tile), the first strip prefetching
+ * the next group's packed bytes into L2 (so the decode reads L2, not memory). Every path runs the same
+ * chains, so a row's bits never depend on the batch (tests/test_bi_q80.py). Prefetches may run past the
+ * packed weight's end (they never fault). */
+#define BZ_PB 544      /* bytes per (panel, block) in bi_q80_pack's layout */
+#define BZ_REG_ROWS 3  /* most rows decoded in registers (bz_rtile) rather than into a buffer */
+void bi_q80_pack(const int8_t *q, const uint16_t *d, int64_t n, int64_t k, uint8_t *out) {
+    int64_t nb = k / 32, np = (n + 15) / 16;
+#pragma omp parallel for if (n * k >= PAR_MIN_WORK)
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (p * nb + b) * BZ_PB;
+            uint16_t dd[16];
+            for (int c = 0; c < 16; c++) {
+                int64_t col = p * 16 + c;
+                dd[c] = col < n ? d[col * nb + b] : 0;
+                for (int i = 0; i < 32; i++) /* code i of the block: step i / 2, half i % 2 */
+                    o[32 + 32 * (i / 2) + 16 * (c / 8) + 2 * (c % 8) + i % 2] = col < n ? (uint8_t)q[(col * nb + b) * 32 + i] : 0;
+            }
+            memcpy(o, dd, 32);
+        }
+}
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+int bi_q80_available(void) { return 1; }
+/* one step of bi_q80_pack's layout (32 bytes at p) -> the 16 columns' bf16 pairs (lane c: column c) */
+static inline __attribute__((always_inline)) __m512bh bz_step(const uint8_t *p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+/* decoded rows (a thread's buffer): wb the pairs [panel][block][step][16 columns], df the steps [panel][block][16]
+ * as float32; mr rows x npl panels from panel q0 of the group */
+static inline __attribute__((always_inline)) void bz_tile(const uint16_t *x, int64_t ldx, int64_t nb, const uint32_t *wb,
+                                                          const float *df, int64_t q0, const int mr, const int npl,
+                                                          const uint16_t *bias, int64_t col0, int64_t n, uint16_t *out,
+                                                          int64_t ldo, const uint8_t *pf, int64_t pfb) {
+    __m512 acc[BQ_MR][4], t[BQ_MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < npl; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (pf) /* the next task's packed weight into L2 while this one computes (pfb bytes per block) */
+            for (int64_t i = 0; i < pfb; i += 64) _mm_prefetch((const char *)pf + b * pfb + i, _MM_HINT_T1);
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < npl; j++) t[r][j] = _mm512_setzero_ps();
+        for (int s = 0; s < 16; s++) {
+            __m512bh w[4];
+            for (int j = 0; j < npl; j++) w[j] = (__m512bh)_mm512_loadu_si512(wb + (((q0 + j) * nb + b) * 16 + s) * 16);
+            for (int r = 0; r < mr; r++) {
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + (b * 16 + s) * 2));
+                for (int j = 0; j < npl; j++) t[r][j] = _mm512_dpbf16_ps(t[r][j], xv, w[j]);
+            }
+        }
+        for (int j = 0; j < npl; j++) {
+            __m512 dv = _mm512_loadu_ps(df + ((q0 + j) * nb + b) * 16);
+            for (int r = 0; r < mr; r++) acc[r][j] = _mm512_fmadd_ps(dv, t[r][j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < npl; j++) {
+            int64_t col = col0 + (q0 + j) * 16;
+            if (col < n) bi_dp_out(acc[r][j], bias, col, n, out + r * ldo);
+        }
+}
+/* the same chains with the steps decoded in registers from the packed weight: mr rows x npl panels from
+ * panel p0 (wp: bi_q80_pack's layout) */
+static inline __attribute__((always_inline)) void bz_rtile(const uint16_t *x, int64_t ldx, int64_t nb, const uint8_t *wp,
+                                                           int64_t p0, const int mr, const int npl,
+                                                           const uint16_t *bias, int64_t n, uint16_t *out,
+                                                           int64_t ldo) {
+    __m512 acc[BZ_REG_ROWS][8], t[BZ_REG_ROWS][8];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < npl; j++) acc[r][j] = _mm512_setzero_ps();
+    const uint8_t *pf = wp + (p0 + npl) * nb * BZ_PB; /* the next tile's bytes, a block's share per block */
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t i = 0; i < npl * BZ_PB; i += 64) _mm_prefetch((const char *)pf + b * npl * BZ_PB + i, _MM_HINT_T1);
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < npl; j++) t[r][j] = _mm512_setzero_ps();
+        for (int s = 0; s < 16; s++) {
+            __m512bh xv[BZ_REG_ROWS];
+            for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + (b * 16 + s) * 2));
+            for (int j = 0; j < npl; j++) {
+                __m512bh w = bz_step(wp + ((p0 + j) * nb + b) * BZ_PB + 32 + 32 * s);
+                for (int r = 0; r < mr; r++) t[r][j] = _mm512_dpbf16_ps(t[r][j], xv[r], w);
+            }
+        }
+        for (int j = 0; j < npl; j++) {
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wp + ((p0 + j) * nb + b) * BZ_PB)));
+            for (int r = 0; r < mr; r++) acc[r][j] = _mm512_fmadd_ps(dv, t[r][j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < npl; j++) {
+            int64_t col = (p0 + j) * 16;
+            if (col < n) bi_dp_out(acc[r][j], bias, col, n, out + r * ldo);
+        }
+}
+/* MR rows (1..BQ_MR) from r across a group's npg panels: tiles of NP panels, then 2, then 1 (as BQ_STRIP);
+ * the strip of row r0 (the task's first) prefetches pfn bytes at pf over its tiles' blocks */
+#define BZ_STRIP(MR, NP)                                                                                          \
+    {                                                                                                             \
+        int64_t q = 0, nt = npg / (NP) + ((NP) > 2 && npg % (NP) >= 2) + ((NP) > 2 ? npg % 2 : npg % (NP)), ti = 0; \
+        int64_t pfb = pf && r == r0 ? ((pfn + nt * nb - 1) / (nt * nb) + 63) / 64 * 64 : 0;                       \
+        for (; q + (NP) <= npg; q += (NP), ti++)                                                                  \
+            bz_tile(x + r * ldx, ldx, nb, wb, df, q, MR, NP, bias, col0, n, out + r * ldo, ldo,                   \
+                    pfb ? pf + ti * nb * pfb : NULL, pfb);                                                        \
+        if ((NP) > 2 && q + 2 <= npg) {                                                                           \
+            bz_tile(x + r * ldx, ldx, nb, wb, df, q, MR, 2, bias, col0, n, out + r * ldo, ldo,                    \
+                    pfb ? pf + ti * nb * pfb : NULL, pfb);                                                        \
+            q += 2, ti++;                                                                                         \
+        }                                                                                                         \
+        for (; q < npg; q++, ti++)                                                                                \
+            bz_tile(x + r * ldx, ldx, nb, wb, df, q, MR, 1, bias, col0, n, out + r * ldo, ldo,                    \
+                    pfb ? pf + ti * nb * pfb : NULL, pfb);                                                        \
+    }
+static void bz_rows(const uint16_t *x, int64_t ldx, int64_t nb, const uint32_t *wb, const float *df, int64_t npg,
+                    const uint16_t *bias, int64_t col0, int64_t n, uint16_t *out, int64_t ldo, int64_t r0, int64_t r1,
+                    const uint8_t *pf, int64_t pfn) {
+    int64_t r = r0;
+    for (; r + BQ_MR <= r1; r += BQ_MR) BZ_STRIP(BQ_MR, BQ_NP)
+    switch (r1 - r) { /* the last rows in one strip of their own height */
+    case 1: BZ_STRIP(1, 4) break;
+    case 2: BZ_STRIP(2, 4) break;
+    case 3: BZ_STRIP(3, 4) break;
+#if BQ_MR > 4
+    case 4: BZ_STRIP(4, BQ_NP) break;
+#endif
+#if BQ_MR > 5
+    case 5: BZ_STRIP(5, BQ_NP) break;
+#endif
+#if BQ_MR > 6
+    case 6: BZ_STRIP(6, BQ_NP) break;
+#endif
+    default: break;
+    }
+}
+#undef BZ_STRIP
+/* rows r0 .. r0 + mr (1..BZ_REG_ROWS) over panels [p0, p1), decoded in registers: NP panels per tile, then 1 */
+#define BZ_RSTRIP(MR, NP)                                                                                         \
+    {                                                                                                             \
+        int64_t p = p0;                                                                                           \
+        for (; p + (NP) <= p1; p += (NP)) bz_rtile(x + r0 * ldx, ldx, nb, wp, p, MR, NP, bias, n, out + r0 * ldo, ldo); \
+        for (; p < p1; p++) bz_rtile(x + r0 * ldx, ldx, nb, wp, p, MR, 1, bias, n, out + r0 * ldo, ldo);         \
+    }
+static void bz_rrows(const uint16_t *x, int64_t ldx, int64_t nb, const uint8_t *wp, int64_t p0, int64_t p1,
+                     const uint16_t *bias, int64_t n, uint16_t *out, int64_t ldo, int64_t r0, int mr) {
+    switch (mr) {
+    case 3: BZ_RSTRIP(3, 4) break;
+    case 2: BZ_RSTRIP(2, 4) break;
+    default: BZ_RSTRIP(1, 4) break;
+    }
+}
+#undef BZ_RSTRIP
+/* out [m, n] (rows ldo apart) = x [m, k] (bf16 rows ldx apart) W^T (+ bias), W from bi_q80_pack; k a
+ * multiple of 32. Returns 0 when buffers cannot be allocated, else 1. */
+int bi_q80_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
+                  const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    int64_t nb = k / 32, np = (n + 15) / 16, gp = BQ_GP, ng = (np + gp - 1) / gp;
+    int par = m * k * n >= 16 * PAR_MIN_WORK, nt = MAX_THREADS();
+    if (m <= BZ_REG_ROWS) {
+#pragma omp parallel for schedule(static) if (m * k * n >= PAR_MIN_WORK)
+        for (int64_t gi = 0; gi < ng; gi++) {
+            int64_t p0 = gi * gp, p1 = p0 + gp < np ? p0 + gp : np;
+            bz_rrows(x, ldx, nb, wp, p0, p1, bias, n, out, ldo, 0, (int)m);
+        }
+        return 1;
+    }
+    int64_t rows = bq_block_rows(m, k, ng, par, nt), nrb = (m + rows - 1) / rows;
+    size_t per = (size_t)gp * (size_t)nb * (16 * 16 * 4 + 16 * 4); /* bf16 pairs + d as float32 */
+    uint8_t *buf_all = (uint8_t *)malloc(per * (size_t)nt + 64);
+    if (!buf_all) return 0;
+#pragma omp parallel if (par)
+    {
+    uint32_t *wb = (uint32_t *)(buf_all + per * (size_t)THREAD_ID());
+    float *df = (float *)(wb + (size_t)gp * nb * 16 * 16);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t rb = 0; rb < nrb; rb++)
+        for (int64_t gi = 0; gi < ng; gi++) {
+            int64_t p0 = gi * gp, npg = np - p0 < gp ? np - p0 : gp;
+            for (int64_t q = 0; q < npg; q++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *src = wp + ((p0 + q) * nb + b) * BZ_PB;
+                    _mm512_storeu_ps(df + (q * nb + b) * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src)));
+                    for (int s = 0; s < 16; s++)
+                        _mm512_storeu_si512(wb + ((q * nb + b) * 16 + s) * 16, (__m512i)bz_step(src + 32 + 32 * s));
+                }
+            int64_t r0 = rb * rows, r1 = r0 + rows < m ? r0 + rows : m, g1 = gi + 1 < ng ? gi + 1 : 0;
+            int64_t np1 = np - g1 * gp < gp ? np - g1 * gp : gp; /* the next group's panels */
+            bz_rows(x, ldx, nb, wb, df, npg, bias, p0 * 16, n, out, ldo, r0, r1, wp + g1 * gp * nb * BZ_PB,
+                    np1 * nb * BZ_PB);
+        }
+    }
+    free(buf_all);
+    return 1;
+}
+#else
+int bi_q80_available(void) { return 0; }
+int bi_q80_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, int64_t n,
+                  const uint16_t *bias, uint16_t *out, int64_t ldo) { return 0; }
+#endif
+/* ---- end of the batch-invariant GGUF Q8_0 block ---- */
 
 
 #define DEFINE_BI_KERNELS(SUF, T)                                                                              \

@@ -195,6 +195,12 @@ class CpuKernels:
         lib.bi_q41_pack.argtypes, lib.bi_q41_pack.restype = [_P, _P, _P, _I, _I, _P], None
         lib.bi_q41_linear.argtypes, lib.bi_q41_linear.restype = [_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int
         self._bi_q41_pack, self._bi_q41_linear = lib.bi_q41_pack, lib.bi_q41_linear
+        # the Q8_0 twin (the GGUF lm_head): bi_q80_pack / bi_q80_linear, same condition
+        lib.bi_q80_available.argtypes, lib.bi_q80_available.restype = [], ctypes.c_int
+        self.has_bi_q80 = dtype == torch.bfloat16 and bool(lib.bi_q80_available())
+        lib.bi_q80_pack.argtypes, lib.bi_q80_pack.restype = [_P, _P, _I, _I, _P], None
+        lib.bi_q80_linear.argtypes, lib.bi_q80_linear.restype = [_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int
+        self._bi_q80_pack, self._bi_q80_linear = lib.bi_q80_pack, lib.bi_q80_linear
         # w8a8_gemm on vpdpbusd (AVX512-VNNI in this build) rather than its scalar loops
         lib.w8a8_gemm_vnni.argtypes, lib.w8a8_gemm_vnni.restype = [], ctypes.c_int
         self.has_vnni = bool(lib.w8a8_gemm_vnni())
@@ -587,6 +593,49 @@ class CpuKernels:
         if m and not self._bi_q41_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
                                          out.data_ptr(), n):
             raise MemoryError("bi_q41_linear: cannot allocate its buffers")
+        return out
+
+    # ---- batch-invariant Q8_0 x bfloat16 on AVX-512 BF16 (issue 15/14; the section comment in cpu_kernels.c) ----
+    #: bytes per (panel of 16 output columns, block of 32 input features) of ``bi_q80_pack``'s layout
+    BZ_PB = 544
+
+    def bi_q80_pack(self, q: torch.Tensor, d: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """GGUF Q8_0 blocks (``q80_linear``'s layout: q int8 [N, K/32, 32], d float16 [N, K/32], contiguous)
+        -> ``bi_q80_linear``'s layout, uint8 [ceil(N / 16), K/32, BZ_PB] (per panel of 16 columns and block:
+        d[16] float16, then 16 steps of 32 bytes holding the codes (2s, 2s+1) of columns 0..7, then of
+        columns 8..15; zero past column N): the same values, no rounding. Written into ``out`` when it is a
+        contiguous uint8 tensor of that shape (a weight update re-packs in place), else a new tensor. Raises
+        ValueError on a layout mismatch."""
+        n, nb, _ = q.shape
+        if (q.dtype != torch.int8 or q.shape[2] != 32 or not q.is_contiguous() or d.dtype != torch.float16
+                or d.shape != (n, nb) or not d.is_contiguous()):
+            raise ValueError("bi_q80_pack: layout mismatch")
+        shape = ((n + 15) // 16, nb, self.BZ_PB)
+        if out is None or tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+            out = torch.empty(shape, dtype=torch.uint8)
+        self._bi_q80_pack(q.data_ptr(), d.data_ptr(), n, nb * 32, out.data_ptr())
+        return out
+
+    def bi_q80_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Batch-invariant y = x W^T (+ bias) for W in Q8_0 blocks packed by ``bi_q80_pack``: x [M, K]
+        bfloat16 (rows may be strided, K a multiple of 32), bias [N] -> new [M, N] bfloat16. Per output
+        element one chain for any M: per block of 32 features in order, a VDPBF16PS chain of x with the
+        codes from 0, then fma(d, that, acc); rounded once after the bias. Only where ``has_bi_q80``
+        (bfloat16 kernels built with AVX-512 BF16). Raises ValueError on a layout mismatch or without
+        ``has_bi_q80``, MemoryError when buffers cannot be allocated."""
+        if not self.has_bi_q80:
+            raise ValueError("bi_q80_linear: needs bfloat16 kernels built with AVX-512 BF16")
+        self._check(x)
+        m, k = x.shape
+        if (x.stride(1) != 1 or k % 32 or packed.dtype != torch.uint8 or not packed.is_contiguous()
+                or tuple(packed.shape) != ((n + 15) // 16, k // 32, self.BZ_PB)):
+            raise ValueError("bi_q80_linear: layout mismatch")
+        self._check_bias(bias, n, "bi_q80_linear")
+        out = torch.empty(m, n, dtype=self.dtype)
+        if m and not self._bi_q80_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, _ptr(bias),
+                                         out.data_ptr(), n):
+            raise MemoryError("bi_q80_linear: cannot allocate its buffers")
         return out
 
     # ---- quantised weights, weight-only (idleless.quant; see the section comment in cpu_kernels.c) ----

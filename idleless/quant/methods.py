@@ -9,7 +9,9 @@ batch, on ``w8a8_gemm``'s packed weight). The GGUF formats' kernels
 cache-resident float buffer) and run batches of up to ``GGUF_KERNEL_MAX_ROWS`` rows, where they were
 measured faster than dequantising into the GEMM library (benchmarks/README.md, issue 11); larger batches
 have their tiles dequantised in C (``q41_dequant`` / ``q80_dequant``) into the library's GEMM. Q4_1 on
-``bi_q41_linear`` (bfloat16, AVX-512 BF16) runs batches of up to ``BI_Q41_KERNEL_MAX_ROWS`` rows there.
+``bi_q41_linear`` (bfloat16, AVX-512 BF16) runs batches of up to ``BI_Q41_KERNEL_MAX_ROWS`` rows there, Q8_0
+on ``bi_q80_linear`` (the same scheme) up to ``BI_Q80_KERNEL_MAX_ROWS``; both keep a packed copy of the
+weight (``layer.quant["bi"]``, as many bytes as the blocks).
 
 The layer keeps its float parameter (``layer.weight``, the target of loading by name and of later
 weight updates, ``weights.load_weights``); the quantised copy is what the forward reads.
@@ -52,6 +54,9 @@ GGUF_KERNEL_MAX_ROWS = 256
 #: measured at least as fast as dequantising into oneDNN's bfloat16 GEMM (benchmarks/README.md, issue 11/15 H1),
 #: so these batches (a prefill chunk of up to ``chunked_prefill_size`` tokens) keep the deterministic bits
 BI_Q41_KERNEL_MAX_ROWS = 2048
+#: the same for Q8_0 on ``bi_q80_linear`` (the GGUF lm_head: its batches are the sampled rows, or prompt-logprob
+#: blocks of ``runner.PROMPT_LOGITS_BLOCK``)
+BI_Q80_KERNEL_MAX_ROWS = 2048
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -174,7 +179,23 @@ class Q8_0LinearMethod(QuantizedLinearMethod):
     the output layer of ``Q4LinearMethod``, as llama.cpp's files keep it (the bundled SmolLM2's tied
     embedding is Q8_0). Raises ValueError at load for in_features not divisible by 32."""
 
-    kernel_rows = GGUF_KERNEL_MAX_ROWS
+    kernel_rows = GGUF_KERNEL_MAX_ROWS  # BI_Q80_KERNEL_MAX_ROWS on bi_q80_linear
+    bi_q80 = True  # Q8_0 x bfloat16 on bi_q80_linear where the kernels have it (not W4A8's int8 activations)
+
+    def __init__(self, row_tile: Optional[int] = None, kernels=None):
+        super().__init__(row_tile, kernels)
+        # as Q4LinearMethod's use_bi_q41: the kernel of every batch the method sends to a kernel
+        self.use_bi_q80 = bool(self.bi_q80 and kernels is not None and getattr(kernels, "has_bi_q80", False))
+        if self.use_bi_q80:
+            self.kernel_rows = BI_Q80_KERNEL_MAX_ROWS
+
+    def process_after_load(self, layer) -> int:
+        extra = super().process_after_load(layer)
+        if self.use_bi_q80:
+            qt = layer.quant
+            qt["bi"] = self.kernels.bi_q80_pack(qt["q"], qt["d"])
+            extra += _nbytes(qt["bi"])
+        return extra
 
     def quantize(self, weight):
         q, d = quantize_q8_0(weight)
@@ -187,7 +208,10 @@ class Q8_0LinearMethod(QuantizedLinearMethod):
         return dequantize_q8_0(q, d, dtype), None
 
     def kernel_apply(self, layer, x):
-        return self.kernels.q80_linear(x, layer.quant["q"], layer.quant["d"], layer.bias)
+        qt = layer.quant
+        if self.use_bi_q80:
+            return self.kernels.bi_q80_linear(x, qt["bi"], qt["d"].shape[0], layer.bias)
+        return self.kernels.q80_linear(x, qt["q"], qt["d"], layer.bias)
 
 
 class Q4LinearMethod(QuantizedLinearMethod):
@@ -358,6 +382,8 @@ class Q8_0A8LinearMethod(_BlockAct8, Q8_0LinearMethod):
     ``W4A8LinearMethod``. With the kernels the codes are kept only in the kernels' layout
     (``layer.quant["codes"]``, ``formats.interleave_q8_0``: 4 columns interleaved block by block); without
     them ``layer.quant`` is ``Q8_0LinearMethod``'s."""
+
+    bi_q80 = False  # its own integer kernels
 
     def quantize(self, weight):
         qt = super().quantize(weight)
