@@ -360,3 +360,42 @@ def test_bi_q41_linear_rows_alone_and_float64(n, k, bias):
     assert torch.equal(native.bi_q41_pack(qs, d, m, out=packed), packed)  # re-packed in place, same bytes
     with pytest.raises(ValueError):
         portable.bi_q41_linear(x, packed, n, b)
+
+
+@pytest.mark.skipif(not (DPBF16 and cpu_has("avx512vbmi")), reason="q8p_linear needs AVX-512 BF16 and VBMI")
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (37, 64, True), (16 * 6 * 2 + 16 * 5 + 9, 12, False)])
+def test_q8p_linear_rows_alone_and_float64(n, k, bias):
+    """int8 weights x bfloat16 on the packed layout (VDPBF16PS pair chain, codes decoded in registers for up to
+    4 rows, through a per-thread buffer above): every row's bits are the same alone, in batches of 2 to 300
+    at any position and with other neighbours (both paths, the full 6-panel tiles and the last narrower one);
+    within float32's summation bound of the float64 product with the held codes times the scale, plus one
+    bf16 rounding; unpack_q8 gives the codes back; the portable build has no such kernel."""
+    from idleless.quant.formats import quantize_rows, unpack_q8
+
+    native, portable = BUILDS[torch.bfloat16]
+    assert native.has_q8p and not portable.has_q8p
+    g = _gen(n + k)
+    q, s = quantize_rows(torch.randn(n, k, generator=g), torch.int8)
+    held = q.double() * s.double()[:, None]
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    x = (torch.randn(300, k + 8, generator=g) * 2).to(torch.bfloat16)[:, :k]  # strided rows
+    packed = native.q8_pack(q)
+    assert torch.equal(unpack_q8(packed, n), q) and torch.equal(unpack_q8(packed, n, 17, n - 3), q[17:n - 3])
+    full = native.q8p_linear(x, packed, s, b)
+    assert torch.equal(full, torch.cat([native.q8p_linear(x[i:i + 1], packed, s, b) for i in range(300)]))
+    for m0, mm in ((0, 2), (1, 3), (3, 4), (5, 5), (2, 7), (5, 13), (64, 65), (1, 299)):
+        assert torch.equal(native.q8p_linear(x[m0:m0 + mm], packed, s, b), full[m0:m0 + mm]), (m0, mm)
+    perm = torch.randperm(300, generator=_gen(9))
+    assert torch.equal(native.q8p_linear(x[perm], packed, s, b), full[perm])
+    out = torch.empty(3, n, dtype=torch.bfloat16)
+    assert native.q8p_linear(x[:3], packed, s, b, out=out) is out and torch.equal(out, full[:3])
+    xs = x.double()
+    ref = xs @ held.T + (b.double() if bias else 0)
+    bound = k * 2.0 ** -23 * (xs.abs() @ held.abs().T) + 2.0 ** -8 * ref.abs() + 1e-30
+    assert ((full.double() - ref).abs() <= bound).all()
+    bad = q.clone()
+    bad[0, 0] = -128
+    with pytest.raises(ValueError):
+        native.q8_pack(bad)
+    with pytest.raises(ValueError):
+        portable.q8p_linear(x, packed, s, b)

@@ -78,3 +78,35 @@ def test_large_batches_run_on_the_kernel(dtype, head):
         direct = kern.bi_q41_linear(x, qt["bi"], qt["d"].shape[0], lin.bias) if method.use_bi_q41 else \
             kern.q41_linear(x, qt["qs"], qt["d"], qt["m"], lin.bias)
     assert torch.equal(lin(x), direct)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_rows_do_not_depend_on_the_batch(dtype):
+    """Deterministic int8 weights (bfloat16 activations) on the kernels for every batch: in bfloat16 where the
+    kernels have q8p_linear, on the packed weight (register-decoded rows up to 4, buffered above); a row's bits
+    are its bits alone at every batch size and position, within the bound of the float64 product."""
+    from idleless.quant.formats import unpack_q8
+
+    kern = _kernels(dtype)
+    method = quantized_linear_method("int8", deterministic=True, kernels=kern)
+    g = torch.Generator().manual_seed(5)
+    n, k = 200, 160
+    lin = Linear(k, n, bias=True, method=method)
+    lin.weight.data = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    lin.bias.data = torch.randn(n, generator=g).to(dtype)
+    method.process_after_load(lin)
+    qt = lin.quant
+    assert ("packed" in qt) == (dtype == torch.bfloat16 and kern.has_q8p)
+    q = unpack_q8(qt["packed"], n) if "packed" in qt else qt["q"]
+    wd = q.double() * qt["scale"].double()[:, None]
+    x = torch.randn(max(BATCHES), k, generator=g).to(dtype)
+    alone = [lin(x[i:i + 1]) for i in range(max(BATCHES))]
+    for m in BATCHES + (2, 3, 4, 5):
+        for start in {0, max(BATCHES) - m}:
+            y = lin(x[start:start + m])
+            for i in range(m):
+                assert torch.equal(y[i:i + 1], alone[start + i]), (m, start, i)
+    ref = x.double() @ wd.t() + lin.bias.double()
+    scale = float((x.double().abs() @ wd.abs().t()).max() + lin.bias.double().abs().max())
+    tol = 1e-5 * scale if dtype == torch.float32 else 2.0 ** -8 * scale
+    assert float((lin(x).double() - ref).abs().max()) <= tol

@@ -8,7 +8,8 @@ from torch import nn
 from idleless.config import EngineConfig
 from idleless.model.linear import Linear, select_linear_method
 from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, dequantize_rows,
-                                    quantize_q4_0, quantize_q4_1, quantize_q8_0, quantize_rows, unpack_q4)
+                                    quantize_q4_0, quantize_q4_1, quantize_q8_0, quantize_rows, unpack_q4,
+                                    unpack_q8)
 from idleless.quant.methods import (Fp8LinearMethod, Int8LinearMethod, Q4LinearMethod, Q8_0LinearMethod,
                                     W8A8LinearMethod, quantized_linear_method)
 from idleless.quant.spec import check_precision
@@ -104,7 +105,8 @@ def _reference(method, w, x, bias):
             wd = dequantize_q4_1(qt["qs"], qt["d"], qt["m"], torch.float64) if method.layout == "q4_1" else \
                 dequantize_q4_0(qt["qs"], qt["d"], torch.float64)
         else:
-            wd = qt["q"].double() * qt["scale"].double()[:, None]
+            q = unpack_q8(qt["packed"], w.shape[0]) if "packed" in qt else qt["q"]  # bf16 q8p kernels: packed only
+            wd = q.double() * qt["scale"].double()[:, None]
         ref = x.double() @ wd.t()
     if bias is not None:
         ref += bias.double()

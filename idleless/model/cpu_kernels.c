@@ -2528,6 +2528,234 @@ int q8_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const int8_t 
 DEFINE_QUANT_KERNELS(f32, float)
 DEFINE_QUANT_KERNELS(bf16, uint16_t)
 
+/* ---- Packed int8 weights x bfloat16 activations on AVX-512 BF16 + VBMI (issue 14, W8A16) --------------
+ * q8_linear's product for bfloat16 models, on a weight packed once per weight change (q8_pack) so that a
+ * decode row streams it as one linear run of int8 bytes. Columns go in panels of 16, panels in tiles of
+ * Q8P_TP (the last tile: what is left); a tile is [K / 4] steps, each step its panels' 64-byte blocks side by
+ * side. A block holds 2 input-feature pairs x 16 columns: byte 16 L + j is, for j < 8, feature 4 b + j % 2 of
+ * column 4 L + j / 2, for j >= 8 feature 4 b + 2 + j % 2 of the same column set (so VPUNPCKL/HBW of its low
+ * and high bytes gives the bf16 pairs of the two steps, 16 columns each). Codes (-127..127, exact in
+ * bfloat16) become bfloat16 in registers: |code| looked up by VPERMI2B in the low / high byte tables of
+ * bf16(0..127), the sign OR-ed back. Per output element one chain, whatever the number of rows or the tile:
+ *   acc = VDPBF16PS(acc, (x[2p], x[2p+1]), (q[c][2p], q[c][2p+1])) over the K / 2 pairs p in order, from 0;
+ *   out[r, c] = bf16(acc * scale[c] (+ bias[c]))
+ * (exact products, float32 sums; another order than q8_linear's, by design, as bi_linear's pair chain is
+ * another order than its fmaf chain). Batches of up to Q8P_DIRECT rows run together on codes decoded in
+ * registers, threads splitting the tiles; larger ones decode a tile into a per-thread buffer of bf16 pairs
+ * once per (row block, tile) task and run register tiles of up to Q8P_MR rows over it: the same chains,
+ * the same bits (tests/test_quant_linear.py). */
+#define Q8P_TP 6      /* panels per tile (SmolLM2's 36, 60, 192 and 3072 panels: an even number of tiles) */
+#define Q8P_DIRECT 4  /* most rows of the register-decode path */
+#define Q8P_MR 6      /* rows per register tile of the buffered path */
+#define Q8P_ROWS 64   /* rows per thread task of the buffered path */
+/* byte offset of panel p's block b in q8_pack's layout (np panels, kb = k / 4 blocks per panel) */
+static inline int64_t q8p_at(int64_t p, int64_t b, int64_t np, int64_t kb) {
+    int64_t t0 = p / Q8P_TP * Q8P_TP, tp = np - t0 < Q8P_TP ? np - t0 : Q8P_TP;
+    return (t0 * kb + b * tp + (p - t0)) * 64;
+}
+/* q int8 [n, k] (k a multiple of 4, codes in -127..127) -> q8_pack's layout, int8 [ceil(n / 16) * k * 16],
+ * zero past column n. Returns 0 (nothing written) if a code is -128, else 1. */
+int q8_pack(const int8_t *q, int64_t n, int64_t k, int8_t *wp) {
+    int64_t np = (n + 15) / 16, kb = k / 4;
+    for (int64_t i = 0; i < n * k; i++)
+        if (q[i] == -128) return 0;
+#pragma omp parallel for if (n * k >= PAR_MIN_WORK)
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t b = 0; b < kb; b++) {
+            int8_t *o = wp + q8p_at(p, b, np, kb);
+            for (int j = 0; j < 64; j++) {
+                int64_t col = p * 16 + 4 * (j / 16) + (j % 8) / 2, f = 4 * b + 2 * ((j % 16) / 8) + j % 2;
+                o[j] = col < n ? q[col * k + f] : 0;
+            }
+        }
+    return 1;
+}
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+int q8p_available(void) { return 1; }
+typedef struct { __m512i lo0, lo1, hi0, hi1; } Q8PTabs;
+static inline Q8PTabs q8p_tabs(void) {
+    uint8_t lo[128], hi[128];
+    for (int c = 0; c < 128; c++) {
+        uint16_t h = f32_to_bf16((float)c);
+        lo[c] = (uint8_t)(h & 0xff);
+        hi[c] = (uint8_t)(h >> 8);
+    }
+    Q8PTabs t;
+    t.lo0 = _mm512_loadu_si512(lo); t.lo1 = _mm512_loadu_si512(lo + 64);
+    t.hi0 = _mm512_loadu_si512(hi); t.hi1 = _mm512_loadu_si512(hi + 64);
+    return t;
+}
+/* one 64-byte block -> the bf16 pairs of its two steps (*a: pair 2b, *b: pair 2b + 1; 16 columns each) */
+static inline __attribute__((always_inline)) void q8p_cvt(const Q8PTabs *t, const int8_t *p, __m512i *a, __m512i *b) {
+    __m512i x = _mm512_loadu_si512(p);
+    __m512i m = _mm512_abs_epi8(x);
+    __m512i lo = _mm512_permutex2var_epi8(t->lo0, m, t->lo1);
+    __m512i hi = _mm512_permutex2var_epi8(t->hi0, m, t->hi1);
+    hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (x & 0x80) */
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+}
+static inline void q8p_out(__m512 acc, const float *scale, const uint16_t *bias, int64_t col, int64_t n, uint16_t *out) {
+    __mmask16 mask = n - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - col)) - 1u);
+    acc = _mm512_mul_ps(acc, _mm512_maskz_loadu_ps(mask, scale + col));
+    if (bias)
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const __m256i *)(bias + col))), 16)));
+    bi_store_bf16x16(out + col, acc, mask);
+}
+/* mr rows x np panels (the tile's panels j0..j0+np, tp panels per step at w), codes decoded in registers */
+static inline __attribute__((always_inline)) void q8p_tile(const Q8PTabs *t, const uint16_t *x, int64_t ldx,
+                                                           const int8_t *w, int64_t kb, int64_t tp, int64_t j0,
+                                                           const int mr, const int np, const float *scale,
+                                                           const uint16_t *bias, int64_t col0, int64_t n,
+                                                           uint16_t *out, int64_t ldo) {
+    __m512 acc[Q8P_DIRECT][Q8P_TP];
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        __m512bh xa[Q8P_DIRECT], xb[Q8P_DIRECT];
+        for (int r = 0; r < mr; r++) {
+            xa[r] = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + 4 * b));
+            xb[r] = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + 4 * b + 2));
+        }
+        const int8_t *ws = w + (b * tp + j0) * 64;
+        for (int p = 0; p < np; p++) {
+            __m512i wa, wb;
+            q8p_cvt(t, ws + p * 64, &wa, &wb);
+            for (int r = 0; r < mr; r++) {
+                acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xa[r], (__m512bh)wa);
+                acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xb[r], (__m512bh)wb);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) {
+            int64_t col = col0 + (j0 + p) * 16;
+            if (col < n) q8p_out(acc[r][p], scale, bias, col, n, out + r * ldo);
+        }
+}
+#define Q8P_T(MR, J0, NP) q8p_tile(&t, x, ldx, w, kb, tp, J0, MR, NP, scale, bias, col0, n, out, ldo)
+/* m (1..Q8P_DIRECT) rows over tiles [t0, t1) */
+static void q8p_direct(const Q8PTabs *tabs, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *wp, int64_t kb,
+                       int64_t np, int64_t t0, int64_t t1, const float *scale, const uint16_t *bias, int64_t n,
+                       uint16_t *out, int64_t ldo) {
+    const Q8PTabs t = *tabs;
+    for (int64_t ti = t0; ti < t1; ti++) {
+        const int64_t p0 = ti * Q8P_TP, tp = np - p0 < Q8P_TP ? np - p0 : Q8P_TP, col0 = p0 * 16;
+        const int8_t *w = wp + p0 * kb * 64;
+        if (tp == Q8P_TP) {
+            switch (m) {
+            case 1: Q8P_T(1, 0, Q8P_TP); break;
+            case 2: Q8P_T(2, 0, Q8P_TP); break;
+            case 3: Q8P_T(3, 0, Q8P_TP); break;
+            default: Q8P_T(4, 0, Q8P_TP / 2); Q8P_T(4, Q8P_TP / 2, Q8P_TP / 2); break;
+            }
+        } else {
+            for (int64_t j = 0; j < tp; j++) switch (m) {
+            case 1: Q8P_T(1, j, 1); break;
+            case 2: Q8P_T(2, j, 1); break;
+            case 3: Q8P_T(3, j, 1); break;
+            default: Q8P_T(4, j, 1); break;
+            }
+        }
+    }
+}
+#undef Q8P_T
+/* MR rows x NP panels over a tile decoded into wb ([panel][k / 2][16][2] bf16 words), its panel q0 on */
+static inline __attribute__((always_inline)) void q8p_buf_tile(const uint16_t *x, int64_t ldx, const uint16_t *wb,
+                                                               int64_t k2, int64_t q0, const int mr, const int np,
+                                                               const float *scale, const uint16_t *bias,
+                                                               int64_t col0, int64_t n, uint16_t *out, int64_t ldo) {
+    __m512 a[Q8P_MR][Q8P_TP / 2];
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) a[r][p] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k2; kk++) {
+        __m512bh wv[Q8P_TP / 2];
+        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(wb + ((q0 + p) * k2 + kk) * 32);
+        for (int r = 0; r < mr; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)ld_pair(x + r * ldx + 2 * kk));
+            for (int p = 0; p < np; p++) a[r][p] = _mm512_dpbf16_ps(a[r][p], xv, wv[p]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) {
+            int64_t col = col0 + (q0 + p) * 16;
+            if (col < n) q8p_out(a[r][p], scale, bias, col, n, out + r * ldo);
+        }
+}
+#define Q8P_BSTRIP(MR)                                                                                         \
+    do {                                                                                                       \
+        if (tp == Q8P_TP) {                                                                                    \
+            q8p_buf_tile(x + r * ldx, ldx, wb, k2, 0, MR, Q8P_TP / 2, scale, bias, col0, n, out + r * ldo, ldo);          \
+            q8p_buf_tile(x + r * ldx, ldx, wb, k2, Q8P_TP / 2, MR, Q8P_TP / 2, scale, bias, col0, n, out + r * ldo, ldo); \
+        } else for (int64_t q = 0; q < tp; q++)                                                                \
+            q8p_buf_tile(x + r * ldx, ldx, wb, k2, q, MR, 1, scale, bias, col0, n, out + r * ldo, ldo);        \
+    } while (0)
+/* rows [0, m) of x over tile ti: decoded into wb once, then register tiles */
+static void q8p_buffered(const Q8PTabs *tabs, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *wp, int64_t kb,
+                         int64_t np, int64_t ti, const float *scale, const uint16_t *bias, int64_t n, uint16_t *out,
+                         int64_t ldo, uint16_t *wb) {
+    const Q8PTabs t = *tabs;
+    const int64_t k2 = 2 * kb, p0 = ti * Q8P_TP, tp = np - p0 < Q8P_TP ? np - p0 : Q8P_TP, col0 = p0 * 16;
+    const int8_t *w = wp + p0 * kb * 64;
+    for (int64_t b = 0; b < kb; b++)
+        for (int64_t q = 0; q < tp; q++) {
+            __m512i wa, wc;
+            q8p_cvt(&t, w + (b * tp + q) * 64, &wa, &wc);
+            _mm512_storeu_si512(wb + (q * k2 + 2 * b) * 32, wa);
+            _mm512_storeu_si512(wb + (q * k2 + 2 * b + 1) * 32, wc);
+        }
+    int64_t r = 0;
+    for (; r + Q8P_MR <= m; r += Q8P_MR) Q8P_BSTRIP(Q8P_MR);
+    switch (m - r) {
+    case 5: Q8P_BSTRIP(5); break;
+    case 4: Q8P_BSTRIP(4); break;
+    case 3: Q8P_BSTRIP(3); break;
+    case 2: Q8P_BSTRIP(2); break;
+    case 1: Q8P_BSTRIP(1); break;
+    default: break;
+    }
+}
+#undef Q8P_BSTRIP
+/* out [m, n] (rows ldo apart) = (x [m, k] (bf16 rows ldx apart) q^T) * scale (+ bias), q from q8_pack (k a
+ * multiple of 4). Returns 0 when the buffers cannot be allocated, else 1. */
+int q8p_linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *wp, const float *scale,
+                    int64_t n, const uint16_t *bias, uint16_t *out, int64_t ldo) {
+    const int64_t np = (n + 15) / 16, kb = k / 4, ntile = (np + Q8P_TP - 1) / Q8P_TP;
+    const int par = m * k * n >= 8 * PAR_MIN_WORK;
+    const Q8PTabs t = q8p_tabs();
+    if (m <= Q8P_DIRECT) { /* threads split the tiles */
+        int64_t nt = par ? MAX_THREADS() : 1;
+        if (nt > ntile) nt = ntile;
+#pragma omp parallel for schedule(static) if (par && nt > 1)
+        for (int64_t i = 0; i < nt; i++)
+            q8p_direct(&t, x, m, ldx, wp, kb, np, i * ntile / nt, (i + 1) * ntile / nt, scale, bias, n, out, ldo);
+        return 1;
+    }
+    const int64_t nrb = (m + Q8P_ROWS - 1) / Q8P_ROWS;
+    const size_t per = (size_t)Q8P_TP * (size_t)k * 32 + 64; /* bytes of a tile's bf16 pairs */
+    uint8_t *buf_all = (uint8_t *)malloc(per * (size_t)MAX_THREADS());
+    if (!buf_all) return 0;
+#pragma omp parallel if (par)
+    {
+        uint16_t *wb = (uint16_t *)(buf_all + per * (size_t)THREAD_ID());
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t rb = 0; rb < nrb; rb++)
+            for (int64_t ti = 0; ti < ntile; ti++) {
+                int64_t r0 = rb * Q8P_ROWS, r1 = r0 + Q8P_ROWS < m ? r0 + Q8P_ROWS : m;
+                q8p_buffered(&t, x + r0 * ldx, r1 - r0, ldx, wp, kb, np, ti, scale, bias, n, out + r0 * ldo, ldo, wb);
+            }
+    }
+    free(buf_all);
+    return 1;
+}
+#else
+int q8p_available(void) { return 0; }
+int q8p_linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const int8_t *wp, const float *scale,
+                    int64_t n, const uint16_t *bias, uint16_t *out, int64_t ldo) { return 0; }
+#endif
+/* ---- end of the packed int8 x bfloat16 block ---- */
+
 /* ---- Decode attention over a quantised KV cache (issue 14) -------------------------------------------
  * decode_attn's contract with K/V stored as one byte per element (int8 or fp8, decoded by lut[256] into
  * float32) and float32 scales: key j of kv head h is lut[k_bytes] * k_scale[slot * ss + h], where ss is

@@ -201,6 +201,13 @@ class CpuKernels:
         lib.bi_q80_pack.argtypes, lib.bi_q80_pack.restype = [_P, _P, _I, _I, _P], None
         lib.bi_q80_linear.argtypes, lib.bi_q80_linear.restype = [_P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int
         self._bi_q80_pack, self._bi_q80_linear = lib.bi_q80_pack, lib.bi_q80_linear
+        # int8 weights x bfloat16 on VDPBF16PS over a packed weight (AVX-512 BF16 + VBMI in this build)
+        lib.q8p_available.argtypes, lib.q8p_available.restype = [], ctypes.c_int
+        self.has_q8p = dtype == torch.bfloat16 and bool(lib.q8p_available())
+        lib.q8_pack.argtypes, lib.q8_pack.restype = [_P, _I, _I, _P], ctypes.c_int
+        lib.q8p_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I]
+        lib.q8p_linear_bf16.restype = ctypes.c_int
+        self._q8_pack, self._q8p_linear = lib.q8_pack, lib.q8p_linear_bf16
         # w8a8_gemm on vpdpbusd (AVX512-VNNI in this build) rather than its scalar loops
         lib.w8a8_gemm_vnni.argtypes, lib.w8a8_gemm_vnni.restype = [], ctypes.c_int
         self.has_vnni = bool(lib.w8a8_gemm_vnni())
@@ -661,6 +668,48 @@ class CpuKernels:
         if x.shape[0] and not self._q8_linear(x.data_ptr(), x.shape[0], k, x.stride(0), q.data_ptr(),
                                               scale.data_ptr(), n, _ptr(bias), out.data_ptr(), n):
             raise MemoryError("q8_linear: cannot allocate the row buffer")
+        return out
+
+    def q8_pack(self, q: torch.Tensor) -> torch.Tensor:
+        """int8 weights q [N, K] (contiguous, K a multiple of 4, codes in [-127, 127]) -> ``q8p_linear``'s
+        layout, int8 [ceil(N / 16), K / 4, 64]: per panel of 16 output columns and block of 4 input features,
+        byte 16 L + j holds, for j < 8, feature 4 b + j % 2 of column 4 L + j // 2, for j >= 8 feature
+        4 b + 2 + j % 2 of column 4 L + (j - 8) // 2 (zero past column N): the same codes, reordered
+        (``unpack_q8``). Raises ValueError on another layout or a code of -128."""
+        if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous() or q.shape[1] % 4:
+            raise ValueError("q8_pack: q must be contiguous int8 [N, K], K a multiple of 4")
+        n, k = q.shape
+        wp = torch.empty(-(-n // 16), k // 4, 64, dtype=torch.int8)
+        if not self._q8_pack(q.data_ptr(), n, k, wp.data_ptr()):
+            raise ValueError("q8_pack: codes must be in [-127, 127]")
+        return wp
+
+    def q8p_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q8_linear``'s product, y = (x q^T) * scale (+ bias), on q packed by ``q8_pack``: x [M, K]
+        bfloat16 (rows may be strided), scale float32 [N] (N = scale.numel()), bias [N] -> [M, N] bfloat16,
+        written into ``out`` when given ([M, N], unit column stride) else a new tensor. Per output element
+        one VDPBF16PS chain over the input-feature pairs in order, whatever M (batch-invariant; another
+        summation order than ``q8_linear``'s). Only where ``has_q8p``. Raises ValueError on a layout
+        mismatch or without ``has_q8p``, MemoryError when buffers cannot be allocated."""
+        if not self.has_q8p:
+            raise ValueError("q8p_linear: needs bfloat16 kernels built with AVX-512 BF16 and VBMI")
+        self._check(x)
+        m, k = x.shape
+        n = scale.numel()
+        if (packed.dtype != torch.int8 or not packed.is_contiguous() or tuple(packed.shape) != (-(-n // 16), k // 4, 64)
+                or k % 4 or scale.dtype != torch.float32 or not scale.is_contiguous() or x.stride(1) != 1):
+            raise ValueError("q8p_linear: layout mismatch")
+        if out is None:
+            out = self._quant_rows(x, bias, n, "q8p_linear")
+        else:
+            self._check(out)
+            self._check_bias(bias, n, "q8p_linear")
+            if out.shape != (m, n) or out.stride(1) != 1:
+                raise ValueError("q8p_linear: out must be [M, N] with contiguous rows")
+        if m and not self._q8p_linear(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scale.data_ptr(), n,
+                                      _ptr(bias), out.data_ptr(), out.stride(0)):
+            raise MemoryError("q8p_linear: cannot allocate its buffers")
         return out
 
     def q41_linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,

@@ -20,6 +20,8 @@ A scale of 0 (an all-zero row or block) dequantises to zeros.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 Q4_BLOCK = 32
@@ -161,3 +163,23 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch
     """Q8_0 blocks -> w [N, K] in ``dtype``: d * code, in float32."""
     w = d.float()[..., None] * q.float()
     return w.reshape(w.shape[0], -1).to(dtype)
+
+
+#: panels of 16 output columns per tile of ``CpuKernels.q8_pack``'s layout (Q8P_TP in cpu_kernels.c)
+Q8P_TILE = 6
+
+
+def unpack_q8(packed: torch.Tensor, n: int, n0: int = 0, n1: Optional[int] = None) -> torch.Tensor:
+    """Rows n0..n1 (default all n) of the int8 weight [N, K] that ``CpuKernels.q8_pack`` laid out as packed
+    (int8 [ceil(N / 16), K / 4, 64]: tiles of Q8P_TILE panels of 16 columns, each tile [K / 4] steps of its
+    panels' 64-byte blocks): the codes again, [n1 - n0, K] contiguous (a new tensor)."""
+    n1 = n if n1 is None else n1
+    np_, kb, _ = packed.shape
+    flat = packed.reshape(-1)
+    full = np_ // Q8P_TILE * Q8P_TILE  # panels in whole tiles; the rest is one narrower tile
+    parts = [flat[:full * kb * 64].view(-1, kb, Q8P_TILE, 64).transpose(1, 2).reshape(full, kb, 64)]
+    if full < np_:
+        parts.append(flat[full * kb * 64:].view(kb, np_ - full, 64).transpose(0, 1))
+    blocks = torch.cat(parts)  # [panel, kb, 64]: byte 16 L + 8 h + 2 c + i = column 4 L + c, feature 4 b + 2 h + i
+    w = blocks.view(np_, kb, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(np_ * 16, kb * 4)
+    return w[n0:n1].contiguous()

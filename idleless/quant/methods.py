@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from idleless.model.linear import LinearMethod
 from idleless.quant.formats import (dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, interleave_q4_1, interleave_q8_0,
-                                    quantize_q4_0, quantize_q4_1, quantize_q8_0, quantize_rows)
+                                    quantize_q4_0, quantize_q4_1, quantize_q8_0, quantize_rows, unpack_q8)
 
 #: output channels dequantised at a time by ``apply``
 COL_TILE = 2048
@@ -142,19 +142,45 @@ class QuantizedLinearMethod(LinearMethod):
 
 class Int8LinearMethod(QuantizedLinearMethod):
     """int8 weights, one symmetric scale per output channel (max|w_row| / 127); the product of x with
-    the int8 values (exact in the model dtype) scaled per channel."""
+    the int8 values (exact in the model dtype) scaled per channel. With bfloat16 kernels that have
+    ``q8p_linear`` (``CpuKernels.has_q8p``: AVX-512 BF16 and VBMI) and input features a multiple of 4,
+    the codes are kept only in ``q8_pack``'s layout (``layer.quant["packed"]``, no ``"q"``; the same
+    bytes, reordered so a decode row streams them linearly), read by ``q8p_linear``; tiles for the GEMM
+    library unpack them (``formats.unpack_q8``)."""
 
     qdtype = torch.int8
+    #: whether this format's codes go to q8_pack (int8 weights with bfloat16 activations only)
+    bf16_packs = True
+
+    def _packs(self, k: int) -> bool:
+        return self.bf16_packs and self.kernels is not None and getattr(self.kernels, "has_q8p", False) and k % 4 == 0
 
     def quantize(self, weight):
         q, s = quantize_rows(weight, self.qdtype)
+        if self._packs(q.shape[1]):
+            return {"packed": self.kernels.q8_pack(q), "scale": s}
         return {"q": q, "scale": s}
 
     def tile(self, layer, n0, n1, dtype):
-        return layer.quant["q"][n0:n1].to(dtype), layer.quant["scale"][n0:n1]
+        qt = layer.quant
+        q = unpack_q8(qt["packed"], qt["scale"].numel(), n0, n1) if "packed" in qt else qt["q"][n0:n1]
+        return q.to(dtype), qt["scale"][n0:n1]
+
+    def on_kernel(self, m: int) -> bool:
+        # packed: every batch (q8p_linear measured at least as fast as dequantised tiles into the GEMM
+        # library up to 1000 rows)
+        return super().on_kernel(m) or (self._packs(0) and m > 0)
 
     def kernel_apply(self, layer, x):
+        if "packed" in layer.quant:
+            return self.kernels.q8p_linear(x, layer.quant["packed"], layer.quant["scale"], layer.bias)
         return self.kernels.q8_linear(x, layer.quant["q"], layer.quant["scale"], layer.bias)
+
+    def kernel_into(self, layer, x, out):
+        if "packed" not in layer.quant:
+            return False
+        self.kernels.q8p_linear(x, layer.quant["packed"], layer.quant["scale"], layer.bias, out=out)
+        return True
 
 
 class Fp8LinearMethod(Int8LinearMethod):
@@ -164,6 +190,7 @@ class Fp8LinearMethod(Int8LinearMethod):
     on CPU is far slower)."""
 
     qdtype = torch.float8_e4m3fn
+    bf16_packs = False
     LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
     def tile(self, layer, n0, n1, dtype):
@@ -292,6 +319,7 @@ class W8A8LinearMethod(Int8LinearMethod):
 
     #: input features per float32 product: 1024 * 127 * 127 < 2^24
     EXACT_K = 1024
+    bf16_packs = False  # its own packed layout (w8a8_pack)
 
     def __init__(self, kernels=None):
         super().__init__(None, kernels)
