@@ -177,9 +177,17 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return self.kernels.q8_linear(x, layer.quant["q"], layer.quant["scale"], layer.bias)
 
     def kernel_into(self, layer, x, out):
-        if "packed" not in layer.quant:
+        """q8p_linear into out, called by address (the decode graph's buffers: x [M, K] with contiguous
+        rows, out [M, N] contiguous; the layout q8_pack checked at load). Raises MemoryError when the
+        kernel cannot allocate its buffers."""
+        qt = layer.quant
+        if "packed" not in qt:
             return False
-        self.kernels.q8p_linear(x, layer.quant["packed"], layer.quant["scale"], layer.bias, out=out)
+        bias = layer.bias
+        if not self.kernels._q8p_linear(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), qt["packed"].data_ptr(),
+                                        qt["scale"].data_ptr(), out.shape[1], None if bias is None else bias.data_ptr(),
+                                        out.data_ptr(), out.stride(0)):
+            raise MemoryError("q8p_linear: cannot allocate its buffers")
         return True
 
 
