@@ -3209,8 +3209,12 @@ DEFINE_W8A8(bf16, uint16_t)
  * past). Rows are quantised as w8a8_linear does (quantize_rows' codes), vectorised with AVX-512. The
  * portable build runs scalar loops over the same layout (same integers, same float order). */
 #define W8_NP 16 /* output columns per packed panel */
+#ifndef W8_MR
 #define W8_MR 8  /* rows per register tile */
+#endif
+#ifndef W8_NV
 #define W8_NV 3  /* panels per register tile and per thread task */
+#endif
 
 /* q int8 [n, k] -> wp [ceil(n / 16) * ceil(k / 4) * 64] (see above) */
 void w8a8_pack(const int8_t *q, int64_t n, int64_t k, uint8_t *wp) {
@@ -3264,12 +3268,22 @@ static inline __attribute__((always_inline)) void w8_tile(const int8_t *xq, int6
 #pragma GCC unroll 3
         for (int j = 0; j < NV; j++) _mm512_storeu_si512((void *)(res + (r * NV + j) * W8_NP), acc[r][j]);
 }
-#define W8_TILE_CASE(RR, VV) case RR * 4 + VV: w8_tile(xq, kq, wp, kg, RR, VV, res); break;
+#define W8_TILE_CASE(RR, VV) case RR * 8 + VV: w8_tile(xq, kq, wp, kg, RR, VV, res); break;
+#if W8_NV >= 4
+#define W8_TILE_ROWS(RR) W8_TILE_CASE(RR, 1) W8_TILE_CASE(RR, 2) W8_TILE_CASE(RR, 3) W8_TILE_CASE(RR, 4)
+#else
 #define W8_TILE_ROWS(RR) W8_TILE_CASE(RR, 1) W8_TILE_CASE(RR, 2) W8_TILE_CASE(RR, 3)
+#endif
 static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t kg, int R, int NV, int32_t *res) {
-    switch (R * 4 + NV) {
+    switch (R * 8 + NV) {
         W8_TILE_ROWS(1) W8_TILE_ROWS(2) W8_TILE_ROWS(3) W8_TILE_ROWS(4)
-        W8_TILE_ROWS(5) W8_TILE_ROWS(6) W8_TILE_ROWS(7) W8_TILE_ROWS(8)
+        W8_TILE_ROWS(5) W8_TILE_ROWS(6)
+#if W8_MR >= 7
+        W8_TILE_ROWS(7)
+#endif
+#if W8_MR >= 8
+        W8_TILE_ROWS(8)
+#endif
     }
 }
 /* amax of x[0..k) (NaN skipped, as the scalar max) */
@@ -3292,13 +3306,23 @@ static inline __m512 w8_ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 w8_ld16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-/* the epilogue of 16 columns c .. c + 16 of one row (all inside n): T(float(acc - corr) * sx * scale + bias) */
+static inline void w8_st16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void w8_st16_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+/* the epilogue of 16 columns c .. c + 16 of one row (all inside n): T(float(acc - corr) * sx * scale + bias),
+ * 16 lanes at once (the scalar loop's operations in its order) */
 #define W8_STORE16(SUF)                                                                                        \
-    for (int h = 0; h < 2; h++) {                                                                              \
-        __m256i a = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(acc + 8 * h)), _mm256_set1_epi32(corr)); \
-        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(s)), _mm256_loadu_ps(scale + c + 8 * h)); \
-        if (bias) v = _mm256_add_ps(v, v_ld_##SUF(bias + c + 8 * h));                                          \
-        v_st_##SUF(o + c + 8 * h, v);                                                                          \
+    {                                                                                                          \
+        __m512i a = _mm512_sub_epi32(_mm512_loadu_si512((const void *)acc), _mm512_set1_epi32(corr));          \
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(s)), _mm512_loadu_ps(scale + c)); \
+        if (bias) v = _mm512_add_ps(v, w8_ld16_##SUF(bias + c));                                               \
+        w8_st16_##SUF(o + c, v);                                                                               \
     }
 #define W8_VNNI 1
 #else
