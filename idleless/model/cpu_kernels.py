@@ -672,10 +672,11 @@ class CpuKernels:
 
     def q8_pack(self, q: torch.Tensor) -> torch.Tensor:
         """int8 weights q [N, K] (contiguous, K a multiple of 4, codes in [-127, 127]) -> ``q8p_linear``'s
-        layout, int8 [ceil(N / 16), K / 4, 64]: per panel of 16 output columns and block of 4 input features,
-        byte 16 L + j holds, for j < 8, feature 4 b + j % 2 of column 4 L + j // 2, for j >= 8 feature
-        4 b + 2 + j % 2 of column 4 L + (j - 8) // 2 (zero past column N): the same codes, reordered
-        (``unpack_q8``). Raises ValueError on another layout or a code of -128."""
+        layout, int8 [ceil(N / 16), K / 4, 64] (the shape counts bytes; the order is cpu_kernels.c's): panels of
+        16 output columns in tiles of ``formats.Q8P_TILE`` panels (the last tile what is left), each tile
+        [K / 4] steps of its panels' 64-byte blocks side by side; in the block of panel p and step b, byte
+        16 L + 8 h + 2 c + i holds feature 4 b + 2 h + i of column 16 p + 4 L + c (zero past column N): the
+        same codes, reordered (``formats.unpack_q8``). Raises ValueError on another layout or a code of -128."""
         if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous() or q.shape[1] % 4:
             raise ValueError("q8_pack: q must be contiguous int8 [N, K], K a multiple of 4")
         n, k = q.shape

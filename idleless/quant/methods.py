@@ -4,7 +4,8 @@
 never the whole weight) and multiplies; W8A8 sums integer products exactly. With the CPU kernels
 (``q8_linear``, ``lut8_linear``, ``w8a8_linear``), batches of up to ``KERNEL_MAX_ROWS`` rows (decode,
 speculative verify) read the quantised weight directly instead (W8A8 on CPUs with AVX512-VNNI: every
-batch, on ``w8a8_gemm``'s packed weight). The GGUF formats' kernels
+batch, on ``w8a8_gemm``'s packed weight; int8 weights in a bfloat16 model on CPUs with AVX-512 BF16 and
+VBMI: every batch, on ``q8p_linear``'s packed weight). The GGUF formats' kernels
 (``q41_linear``, ``q80_linear``) have a GEMM tiling (a panel of the weight decoded once into a
 cache-resident float buffer) and run batches of up to ``GGUF_KERNEL_MAX_ROWS`` rows, where they were
 measured faster than dequantising into the GEMM library (benchmarks/README.md, issue 11); larger batches
