@@ -169,7 +169,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
     def on_kernel(self, m: int) -> bool:
         # packed: every batch (q8p_linear measured at least as fast as dequantised tiles into the GEMM
-        # library up to 1000 rows)
+        # library up to 1000 rows); a layer left unpacked (K not a multiple of 4) then runs q8_linear
         return super().on_kernel(m) or (self._packs(0) and m > 0)
 
     def kernel_apply(self, layer, x):
