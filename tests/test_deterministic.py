@@ -155,6 +155,66 @@ def test_chunked_attention_matches_float64_and_splits_fold_alike(dtype, kind):
     assert torch.equal(two[0], full[150]) and torch.equal(two[1], full[150])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 2, 32), (6, 6, 48)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunk_attn_layer_is_the_per_call_sequence_bitwise(dtype, H, Hkv, D, threads):
+    """One ``chunk_attn_layer`` call (the decode graph's and ``ChunkedAttention.forward``'s) gives the bits of
+    ``chunk_attn`` called per call through a state filled with (-inf, 0, 0): a 13-row shared segment, then
+    two groups in one call, then the tails (decode rows, one 5-token causal extend whose rows pair up in the
+    two-row tiles with different limits, and a row no segment holds), and stays within float64's reach."""
+    kern = _kernels(dtype)
+    g = _gen(9)
+    S, T = 1200, 19
+    kc, vc = torch.randn(S, Hkv, D, generator=g).to(dtype), torch.randn(S, Hkv, D, generator=g).to(dtype)
+    perm = torch.randperm(S, generator=g)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64)
+    shared, grp_a, grp_b = perm[:192], perm[192:320], perm[320:384]
+    seg0 = (i64([0, 192]), shared.clone(), i64([0, 13]), torch.arange(13), None)
+    seg1 = (i64([0, 128, 192]), torch.cat([grp_a, grp_b]), i64([0, 6, 13]), i64([0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11, 12]),
+            None)
+    # tails: rows 0..12 decode (own keys after their segments), rows 13..17 one extend, row 18 alone
+    tails, rows, limits, key_off = [], [], [], [0]
+    own = perm[384:]
+    at = 0
+    for r in range(13):
+        n = 3 + 7 * r
+        tails.append(own[at:at + n]); at += n
+        rows.append([r]); limits.append([n])
+    ext = own[at:at + 70]; at += 70
+    tails.append(ext); rows.append(list(range(13, 18))); limits.append([66, 67, 68, 69, 70])
+    tails.append(own[at:at + 100]); rows.append([18]); limits.append([100])
+    for t in tails:
+        key_off.append(key_off[-1] + t.numel())
+    tail = (i64(key_off), torch.cat(tails), i64([0] + list(torch.tensor([len(r) for r in rows]).cumsum(0))),
+            i64(sum(rows, [])), i64(sum(limits, [])))
+    calls = [seg0, seg1, tail]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        state = (torch.full((T, H), float("-inf")), torch.zeros(T, H), torch.zeros(T, H, D))
+        want = torch.empty(T, H, D, dtype=dtype)
+        for i, (ko, sl, ro, r, lim) in enumerate(calls):
+            last = i == len(calls) - 1
+            kern.chunk_attn(q, kc, vc, ko, sl, ro, r, lim, D ** -0.5, want if last else None, state, not last)
+        got = torch.full((T, H, D), 7.0, dtype=dtype)
+        kern.chunk_attn_layer(q, kc, vc, calls, D ** -0.5, got)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    # against float64: each row's whole key list (its segments, then its tail)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    seg_of = {r: [shared] for r in range(13)}
+    for r in range(13):
+        seg_of[r].append(grp_a if r in (0, 2, 4, 6, 8, 10) else grp_b)
+    for item, (rs, lims) in enumerate(zip(rows, limits)):
+        for r, lim in zip(rs, lims):
+            keys = torch.cat(seg_of.get(r, []) + [tails[item][:lim]])
+            ref = _ref_attention(q[r:r + 1], kc[keys], vc[keys], [keys.numel()], D ** -0.5)
+            assert (got[r:r + 1].double() - ref).abs().max().item() < tol
+
+
 def test_align_segments_keeps_each_request_tiled():
     segs = [([0, 1, 2], 0, 150), ([0, 1], 150, 260)]
     shared = [260, 260, 150, 0]

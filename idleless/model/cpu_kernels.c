@@ -1008,13 +1008,47 @@ static inline void ca_gather_##SUF(const T *k_cache, const T *v_cache, const int
 DEFINE_CA_GATHER(f32, float)
 DEFINE_CA_GATHER(bf16, uint16_t)
 
+/* One chunk_attn call: items i with keys slots[key_off[i]:key_off[i+1]], query rows rows[row_off[i]:row_off[i+1]],
+ * row entry j seeing its first limits[j] keys (limits NULL: all) */
+typedef struct { int64_t n_items; const int64_t *key_off, *slots, *row_off, *rows, *limits; } ca_call_t;
+/* Where a task's softmax state lives: m / l [rows, nh], acc [rows, nh, d] float32 (m NULL: none, every row starts
+ * empty); has (NULL: every row's state is there) [rows, nkv]: 1 where (row, kv head) holds a state, else the row
+ * starts empty (-inf, 0, 0); store: write the state back (and set has) instead of the output */
+typedef struct { float *m, *l, *acc; uint8_t *has; int store; } ca_state_t;
+/* The keys a task reads next (its next chunk, or the first chunk of the thread's next task), to prefetch */
+typedef struct { const int64_t *sl; int64_t n, off; } ca_next_t;
+static inline int ca_loads(const ca_state_t *st, int64_t row, int64_t nkv, int64_t kh) {
+    return st->m && (!st->has || st->has[row * nkv + kh]);
+}
+/* Software prefetch of n keys' rows (bytes [off, off + bytes) of k_cache / v_cache rows sl[j], tok bytes apart):
+ * a chunk's keys sit at scattered slots (a decode token's own slot), which the hardware prefetchers do not
+ * guess, so the next chunk is fetched while this one is computed */
+static inline void ca_prefetch(const void *k_cache, const void *v_cache, const int64_t *sl, int64_t n, int64_t tok,
+                               int64_t off, int64_t bytes) {
+    for (int64_t j = 0; j < n; j++) {
+        const char *kr = (const char *)k_cache + sl[j] * tok + off, *vr = (const char *)v_cache + sl[j] * tok + off;
+        for (int64_t b = 0; b < bytes; b += 64) { __builtin_prefetch(kr + b); __builtin_prefetch(vr + b); }
+        __builtin_prefetch(kr + bytes - 1);
+        __builtin_prefetch(vr + bytes - 1);
+    }
+}
+/* Prefetch into L2 the whole token rows (all kv heads: tok bytes, K and V) of up to CA_PF_ITEM keys sl[0..n): a
+ * short item (a decode row's own keys), fetched while the item before it is computed */
+#define CA_PF_ITEM 256
+static inline void ca_prefetch_item(const void *k_cache, const void *v_cache, const int64_t *sl, int64_t n, int64_t tok) {
+    if (n > CA_PF_ITEM) return;
+    for (int64_t j = 0; j < n; j++) {
+        const char *kr = (const char *)k_cache + sl[j] * tok, *vr = (const char *)v_cache + sl[j] * tok;
+        for (int64_t b = 0; b < tok; b += 64) { __builtin_prefetch(kr + b, 0, 2); __builtin_prefetch(vr + b, 0, 2); }
+    }
+}
 /* a dtype without the VDPBF16PS pair paths: ca_dp_<sfx> says no, so ca_task_pp_<sfx> is never called */
 #define CA_PP_STUB(T, sfx) \
     static inline int ca_dp_##sfx(int64_t d) { return 0; } \
     static inline void ca_task_pp_##sfx(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
         const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0, int64_t e1, \
-        int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, float *st_acc, \
-        int store, T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb) {}
+        int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, const ca_state_t *st, const ca_next_t *nx, \
+        T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb) {}
 /* ---- Batch-invariant kernels on AVX-512 BF16 (helper H3, issue 11 on AMD EPYC Zen 4) ------------------
  * Where the CPU has VDPBF16PS, the bfloat16 batch-invariant kernels take bf16 pairs as the instruction
  * wants them: each product of two bf16 values is exact in float32, two of them added to the float32
@@ -1118,12 +1152,13 @@ static void ca_gather_pp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, 
         }
     }
 }
+#define CA_PP_NQ 6 /* most query vectors of one ca_row_pp call (two rows of 3 heads) */
 /* acc[n][i0 + 16 c] (c < nv) of nq heads: times a[n], then the pair chains over np key pairs of vp (the last
  * pair's high key masked to +0 when odd) with the probabilities pb[n][jp] */
 static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb, const uint32_t *vp, int64_t np,
                                                              int odd, int64_t d, int64_t i0, const float *a,
                                                              float *acc, const int nq, const int nv) {
-    __m512 A[CA_NQ][4];
+    __m512 A[CA_PP_NQ][4];
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++)
             A[n][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + n * d + i0 + 16 * c), _mm512_set1_ps(a[n]));
@@ -1143,23 +1178,28 @@ static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb,
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + n * d + i0 + 16 * c, A[n][c]);
 }
-/* nq heads of one row (q: its first, heads d apart) fold one chunk (kp / vp, nn live keys) into their state
- * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch. nb = ceil(nn / 16): the 16-key blocks
- * with a live key, the only ones whose scores are computed (a function of the row's own nn, so its bits are
- * the same in any task) */
-static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
+/* nq query vectors (one row's heads, or two rows' heads with the same nn: vector n at q[n])
+ * fold one chunk (kp / vp, nn live keys) into their state mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words
+ * of scratch. nb = ceil(nn / 16): the 16-key blocks with a live key, the only ones whose scores are computed (a
+ * function of the row's own nn, so its bits are the same in any task). Two rows at once load each key and value
+ * vector once for both (24 accumulators): the chains of each vector are those of one row alone. */
+static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *const *q, int64_t d, const uint32_t *kp,
                                                               const uint32_t *vp, int64_t nn, float scale, float *mx,
                                                               float *sm, float *acc, uint32_t *pb, const int nq,
                                                               const int nb) {
-    __m512 s[CA_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
+    __m512 s[CA_PP_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < 4; c++) s[n][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d / 2; i++) {
         const uint32_t *kr = kp + i * BI_CHUNK;
         __m512bh k[4];
-        for (int c = 0; c < nb; c++) k[c] = (__m512bh)_mm512_loadu_si512(kr + 16 * c);
+        for (int c = 0; c < nb; c++) {
+            __m512i w = _mm512_loadu_si512(kr + 16 * c);
+            __asm__("" : "+v"(w)); /* kept in a register for the nq heads (GCC would reload it per head) */
+            k[c] = (__m512bh)w;
+        }
         for (int n = 0; n < nq; n++) {
-            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q + n * d + 2 * i));
+            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q[n] + 2 * i));
             for (int c = 0; c < nb; c++) s[n][c] = _mm512_dpbf16_ps(s[n][c], qv, k[c]);
         }
     }
@@ -1170,7 +1210,7 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
     }
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
-    float a[CA_NQ];
+    float a[CA_PP_NQ];
     for (int n = 0; n < nq; n++) {
         __m512 x[4];
         for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vs);
@@ -1199,48 +1239,72 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
 }
 #define CA_ROW_PP_NB(NQ)                                                                                  \
     switch (nb) {                                                                                         \
-    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 1); break;                          \
-    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 2); break;                          \
-    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 3); break;                          \
-    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 4);                                \
+    case 1: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 1); break;                     \
+    case 2: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 2); break;                     \
+    case 3: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 3); break;                     \
+    default: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 4);                           \
     }
-static void ca_row_pp(const uint16_t *q, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn, float scale,
-                      float *mx, float *sm, float *acc, uint32_t *pb, int nq) {
+static void ca_row_pp(const uint16_t *const *q, int per, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn,
+                      float scale, float *mx, float *sm, float *acc, uint32_t *pb, int nq) {
     int nb = (int)((nn + 15) / 16);
-    if (nq >= 3) { CA_ROW_PP_NB(3) }
-    else if (nq == 2) { CA_ROW_PP_NB(2) }
-    else { CA_ROW_PP_NB(1) }
+    const uint16_t *qp[CA_PP_NQ];
+    for (int n = 0; n < nq; n++) qp[n] = q[n / per] + (n % per) * d;
+    switch (nq) {
+    case 6: CA_ROW_PP_NB(6) break;
+    case 5: CA_ROW_PP_NB(5) break;
+    case 4: CA_ROW_PP_NB(4) break;
+    case 3: CA_ROW_PP_NB(3) break;
+    case 2: CA_ROW_PP_NB(2) break;
+    default: CA_ROW_PP_NB(1)
+    }
 }
 /* One task of chunk_attn on the pair paths: rows e0..e1 (entries of rows / limits) of one item (sl: its nkeys
  * slots), kv head kh; kp / vp / acc / mx / sm / pb: the thread's buffers */
 static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0,
-                            int64_t e1, int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,
-                            float *st_l, float *st_acc, int store, uint16_t *out, uint32_t *kp, uint32_t *vp,
+                            int64_t e1, int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale,
+                            const ca_state_t *st, const ca_next_t *nx, uint16_t *out, uint32_t *kp, uint32_t *vp,
                             float *acc, float *mx, float *sm, uint32_t *pb) {
     int64_t grp = nh / nkv, maxlim = 0;
     for (int64_t e = e0; e < e1; e++) {
         int64_t lim = limits ? limits[e] : nkeys;
         if (lim > maxlim) maxlim = lim;
+        int ld = ca_loads(st, rows[e], nkv, kh);
         for (int64_t g = 0; g < grp; g++) {
             int64_t hd = kh * grp + g, si = (e - e0) * grp + g;
-            mx[si] = st_m ? st_m[rows[e] * nh + hd] : -INFINITY;
-            sm[si] = st_m ? st_l[rows[e] * nh + hd] : 0.f;
-            if (st_m) memcpy(acc + si * d, st_acc + (rows[e] * nh + hd) * d, sizeof(float) * (size_t)d);
+            mx[si] = ld ? st->m[rows[e] * nh + hd] : -INFINITY;
+            sm[si] = ld ? st->l[rows[e] * nh + hd] : 0.f;
+            if (ld) memcpy(acc + si * d, st->acc + (rows[e] * nh + hd) * d, sizeof(float) * (size_t)d);
             else memset(acc + si * d, 0, sizeof(float) * (size_t)d);
         }
     }
     for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {
         int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;
         ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kp, vp);
+        if (c1 < maxlim)
+            ca_prefetch(k_cache, v_cache, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK), 2 * nkv * d,
+                        2 * kh * d, 2 * d);
+        else if (nx && nx->sl)
+            ca_prefetch(k_cache, v_cache, nx->sl, nx->n, 2 * nkv * d, 2 * nx->off, 2 * d);
         for (int64_t e = e0; e < e1; e++) {
             int64_t lim = limits ? limits[e] : nkeys;
             if (lim <= c0) continue;
             int64_t nn = (lim < c1 ? lim : c1) - c0;
-            for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) {
+            if (2 * grp <= CA_PP_NQ && e + 1 < e1) { /* two rows with the same live keys share the loads */
+                int64_t lim1 = limits ? limits[e + 1] : nkeys;
+                if ((lim1 < c1 ? lim1 : c1) - c0 == nn) {
+                    const uint16_t *qr[2] = {q + rows[e] * q_stride + kh * grp * d, q + rows[e + 1] * q_stride + kh * grp * d};
+                    int64_t si = (e - e0) * grp;
+                    ca_row_pp(qr, (int)grp, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, (int)(2 * grp));
+                    e++;
+                    continue;
+                }
+            }
+            for (int64_t g0 = 0; g0 < grp; g0 += CA_PP_NQ) {
                 int64_t si = (e - e0) * grp + g0;
-                const uint16_t *qr = q + rows[e] * q_stride + (kh * grp + g0) * d;
-                ca_row_pp(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, (int)(grp - g0));
+                const uint16_t *qr[1] = {q + rows[e] * q_stride + (kh * grp + g0) * d};
+                int nq = grp - g0 < CA_PP_NQ ? (int)(grp - g0) : CA_PP_NQ;
+                ca_row_pp(qr, nq, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, nq);
             }
         }
     }
@@ -1248,10 +1312,11 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
         for (int64_t g = 0; g < grp; g++) {
             int64_t hd = kh * grp + g, si = (e - e0) * grp + g;
             const float *ar = acc + si * d;
-            if (store) {
-                st_m[rows[e] * nh + hd] = mx[si];
-                st_l[rows[e] * nh + hd] = sm[si];
-                memcpy(st_acc + (rows[e] * nh + hd) * d, ar, sizeof(float) * (size_t)d);
+            if (st->store) {
+                st->m[rows[e] * nh + hd] = mx[si];
+                st->l[rows[e] * nh + hd] = sm[si];
+                memcpy(st->acc + (rows[e] * nh + hd) * d, ar, sizeof(float) * (size_t)d);
+                if (st->has && g == 0) st->has[rows[e] * nkv + kh] = 1;
             } else {
                 float l = sm[si];
                 uint16_t *o = out + (rows[e] * nh + hd) * d;
@@ -1878,6 +1943,160 @@ int bi_linear_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const T *wp, 
     return 1;                                                                                                  \
 }                                                                                                              \
                                                                                                                \
+/* One task of chunk_attn in the portable arithmetic: rows e0..e1 (entries of rows / limits) of one item (sl: its \
+ * nkeys slots), kv head kh; kf / vf / qf / acc / mx / sm: the thread's buffers */                             \
+static void ca_task_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *sl, \
+                          int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0, int64_t e1, int64_t kh, \
+                          int64_t nh, int64_t nkv, int64_t d, float scale, const ca_state_t *st, const ca_next_t *nx, \
+                          T *out, float *kf, float *vf, float *qf, float *acc, float *mx, float *sm) {         \
+    int64_t grp = nh / nkv, maxlim = 0;                                                                        \
+    for (int64_t e = e0; e < e1; e++) {                                                                        \
+        int64_t lim = limits ? limits[e] : nkeys;                                                              \
+        if (lim > maxlim) maxlim = lim;                                                                        \
+        int ld = ca_loads(st, rows[e], nkv, kh);                                                               \
+        for (int64_t g = 0; g < grp; g++) {                                                                    \
+            int64_t hd = kh * grp + g, si = (e - e0) * grp + g;                                                \
+            for (int64_t i = 0; i < d; i++) qf[si * d + i] = LD_##SUF(q + rows[e] * q_stride + hd * d + i);    \
+            mx[si] = ld ? st->m[rows[e] * nh + hd] : -INFINITY;                                                \
+            sm[si] = ld ? st->l[rows[e] * nh + hd] : 0.f;                                                      \
+            for (int64_t i = 0; i < d; i++) acc[si * d + i] = ld ? st->acc[(rows[e] * nh + hd) * d + i] : 0.f; \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {                                                        \
+        int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                          \
+        if (c1 - c0 < BI_CHUNK) /* a short last chunk: scores past it are computed and ignored */              \
+            for (int64_t i = 0; i < d; i++) for (int64_t j = c1 - c0; j < BI_CHUNK; j++) kf[i * BI_CHUNK + j] = 0.f; \
+        ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);                       \
+        if (c1 < maxlim)                                                                                       \
+            ca_prefetch(k_cache, v_cache, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK),          \
+                        (int64_t)sizeof(T) * nkv * d, (int64_t)sizeof(T) * kh * d, (int64_t)sizeof(T) * d);    \
+        else if (nx && nx->sl)                                                                                 \
+            ca_prefetch(k_cache, v_cache, nx->sl, nx->n, (int64_t)sizeof(T) * nkv * d, (int64_t)sizeof(T) * nx->off, \
+                        (int64_t)sizeof(T) * d);                                                               \
+        for (int64_t e = e0; e < e1; e++) {                                                                    \
+            int64_t lim = limits ? limits[e] : nkeys;                                                          \
+            if (lim <= c0) continue;                                                                           \
+            int64_t nn = (lim < c1 ? lim : c1) - c0;                                                           \
+            for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) { /* up to CA_NQ heads of row e at once */             \
+                int nq = grp - g0 < CA_NQ ? (int)(grp - g0) : CA_NQ;                                           \
+                int64_t si0 = (e - e0) * grp + g0;                                                             \
+                float sc[CA_NQ * BI_CHUNK], acl[CA_NQ * BI_MAX_D], mcs[CA_NQ], lcs[CA_NQ];                     \
+                ca_scores(qf + si0 * d, nq, d, kf, sc);                                                        \
+                /* keys past nn get score -inf, hence p = 0, which adds nothing */                             \
+                for (int n = 0; n < nq; n++) ca_softmax(sc + n * BI_CHUNK, nn, scale, mcs + n, lcs + n);       \
+                ca_pv(sc, nq, nn, vf, d, acl);                                                                 \
+                for (int n = 0; n < nq; n++) {                                                                 \
+                    int64_t si = si0 + n;                                                                      \
+                    const float *ac = acl + n * d;                                                             \
+                    float mc = mcs[n], lc = lcs[n], mo = mx[si], mn = mo > mc ? mo : mc;                       \
+                    float a = fast_expf(mo - mn), b = fast_expf(mc - mn);                                      \
+                    sm[si] = sm[si] * a + lc * b;                                                              \
+                    float *ar = acc + si * d;                                                                  \
+                    for (int64_t i = 0; i < d; i++) ar[i] = ar[i] * a + ac[i] * b;                             \
+                    mx[si] = mn;                                                                               \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+    for (int64_t e = e0; e < e1; e++)                                                                          \
+        for (int64_t g = 0; g < grp; g++) {                                                                    \
+            int64_t hd = kh * grp + g, si = (e - e0) * grp + g;                                                \
+            const float *ar = acc + si * d;                                                                    \
+            if (st->store) {                                                                                   \
+                st->m[rows[e] * nh + hd] = mx[si];                                                             \
+                st->l[rows[e] * nh + hd] = sm[si];                                                             \
+                for (int64_t i = 0; i < d; i++) st->acc[(rows[e] * nh + hd) * d + i] = ar[i];                  \
+                if (st->has && g == 0) st->has[rows[e] * nkv + kh] = 1;                                        \
+            } else {                                                                                           \
+                float l = sm[si];                                                                              \
+                for (int64_t i = 0; i < d; i++) ST_##SUF(out + (rows[e] * nh + hd) * d + i, l > 0.f ? ar[i] / l : 0.f); \
+            }                                                                                                  \
+        }                                                                                                      \
+}                                                                                                              \
+                                                                                                               \
+/* The calls of one chunk_attn run in order (a barrier between them: a later call continues the states an      \
+ * earlier one stored), each call's tasks (item, block of BI_ATT_ROWS rows, kv head) taken from a shared       \
+ * counter by the threads; each thread takes its next task before running the current one, so the current      \
+ * one's last chunk prefetches the next one's first keys. Calls before the last store their states into st     \
+ * (has marks them); the last stores them when store_last, else writes out. Returns 0 when buffers cannot be   \
+ * allocated or d is too large, else 1. */                                                                     \
+static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const ca_call_t *calls, \
+                        int64_t n_calls, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, \
+                        float *st_acc, uint8_t *has, int store_last, T *out) {                                 \
+    int64_t grp = nh / nkv, n_off = 0, work = 0;                                                               \
+    const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
+    if (d > BI_MAX_D) return 0;                                                                                \
+    for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
+    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_off + 2 * n_calls));                    \
+    if (!task_off) return 0;                                                                                   \
+    int64_t *base = task_off + n_off, *ctr = base + n_calls;                                                   \
+    n_off = 0;                                                                                                 \
+    for (int64_t c = 0; c < n_calls; c++) {                                                                    \
+        const ca_call_t *cl = calls + c;                                                                       \
+        int64_t *to = task_off + n_off;                                                                        \
+        base[c] = n_off;                                                                                       \
+        ctr[c] = 0;                                                                                            \
+        to[0] = 0;                                                                                             \
+        for (int64_t i = 0; i < cl->n_items; i++) {                                                            \
+            int64_t nr = cl->row_off[i + 1] - cl->row_off[i];                                                  \
+            to[i + 1] = to[i] + nkv * ((nr + BI_ATT_ROWS - 1) / BI_ATT_ROWS);                                  \
+            work += nr * (cl->key_off[i + 1] - cl->key_off[i]);                                                \
+        }                                                                                                      \
+        n_off += cl->n_items + 1;                                                                              \
+    }                                                                                                          \
+    size_t per_thread = (size_t)(2 * BI_CHUNK * d + 2 * BI_ATT_ROWS * grp * d + 2 * BI_ATT_ROWS * grp);        \
+    int nt = MAX_THREADS();                                                                                    \
+    float *buf_all = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);                                 \
+    if (!buf_all) { free(task_off); return 0; }                                                                \
+    _Pragma("omp parallel if (work * nh * d >= PAR_MIN_WORK)")                                                 \
+    {                                                                                                          \
+    float *kf = buf_all + per_thread * (size_t)THREAD_ID(), *vf = kf + BI_CHUNK * d;                           \
+    float *qf = vf + BI_CHUNK * d, *acc = qf + BI_ATT_ROWS * grp * d;                                          \
+    float *mx = acc + BI_ATT_ROWS * grp * d, *sm = mx + BI_ATT_ROWS * grp;                                     \
+    for (int64_t c = 0; c < n_calls; c++) {                                                                    \
+        const ca_call_t *cl = calls + c;                                                                       \
+        const int64_t *to = task_off + base[c];                                                                \
+        int64_t ntasks = to[cl->n_items];                                                                      \
+        ca_state_t st = {st_m, st_l, st_acc, has, c + 1 < n_calls ? 1 : store_last};                           \
+        int64_t t = __atomic_fetch_add(ctr + c, 1, __ATOMIC_RELAXED), it = 0;                                  \
+        while (t < ntasks) {                                                                                   \
+            int64_t tn = __atomic_fetch_add(ctr + c, 1, __ATOMIC_RELAXED);                                     \
+            int64_t lo = 0, hi = cl->n_items - 1; /* the item of task t: to[it] <= t < to[it + 1] */           \
+            while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (to[mid] <= t) lo = mid; else hi = mid - 1; } \
+            it = lo;                                                                                           \
+            ca_next_t nx = {NULL, 0, 0};                                                                       \
+            if (tn < ntasks) {                                                                                 \
+                int64_t in = it;                                                                               \
+                while (to[in + 1] <= tn) in++;                                                                 \
+                int64_t nk = cl->key_off[in + 1] - cl->key_off[in];                                            \
+                nx.sl = cl->slots + cl->key_off[in];                                                           \
+                nx.n = nk < BI_CHUNK ? nk : BI_CHUNK;                                                          \
+                nx.off = ((tn - to[in]) % nkv) * d;                                                            \
+            }                                                                                                  \
+            int64_t local = t - to[it], kh = local % nkv, blk = local / nkv;                                   \
+            if (local == 0 && it + 1 < cl->n_items) /* a new item: its successor's keys into L2 */             \
+                ca_prefetch_item(k_cache, v_cache, cl->slots + cl->key_off[it + 1],                            \
+                                 cl->key_off[it + 2] - cl->key_off[it + 1], (int64_t)sizeof(T) * nkv * d);     \
+            int64_t e0 = cl->row_off[it] + blk * BI_ATT_ROWS, e1 = e0 + BI_ATT_ROWS;                           \
+            if (e1 > cl->row_off[it + 1]) e1 = cl->row_off[it + 1];                                            \
+            int64_t nkeys = cl->key_off[it + 1] - cl->key_off[it];                                             \
+            const int64_t *sl = cl->slots + cl->key_off[it];                                                   \
+            if (dp) /* AVX-512 BF16: both products as pair chains (ca_task_pp_bf16) */                         \
+                ca_task_pp_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, cl->rows, cl->limits, e0, e1, kh, nh, nkv, d, \
+                                 scale, &st, &nx, out, (uint32_t *)kf, (uint32_t *)vf, acc, mx, sm, (uint32_t *)qf); \
+            else                                                                                               \
+                ca_task_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, cl->rows, cl->limits, e0, e1, kh, nh, nkv, d, \
+                              scale, &st, &nx, out, kf, vf, qf, acc, mx, sm);                                  \
+            t = tn;                                                                                            \
+        }                                                                                                      \
+        _Pragma("omp barrier")                                                                                 \
+    }                                                                                                          \
+    }                                                                                                          \
+    free(buf_all);                                                                                             \
+    free(task_off);                                                                                            \
+    return 1;                                                                                                  \
+}                                                                                                              \
+                                                                                                               \
 /* Attention with one reduction order per query row (deterministic inference). Item i: keys                    \
  * slots[key_off[i]:key_off[i+1]] of k_cache / v_cache ([num_slots, nkv, d]), the first of them at an          \
  * absolute position that is a multiple of BI_CHUNK; query rows rows[row_off[i]:row_off[i+1]] of q             \
@@ -1895,102 +2114,40 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
                      const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
                      float *st_l, float *st_acc, int store, T *out) {                                          \
-    int64_t grp = nh / nkv, ntasks = 0;                                                                        \
-    const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
-    if (d > BI_MAX_D) return 0;                                                                                \
-    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_items + 1));                            \
-    if (!task_off) return 0;                                                                                   \
-    task_off[0] = 0;                                                                                           \
-    for (int64_t i = 0; i < n_items; i++) {                                                                    \
-        int64_t nr = row_off[i + 1] - row_off[i];                                                              \
-        ntasks += nkv * ((nr + BI_ATT_ROWS - 1) / BI_ATT_ROWS);                                                \
-        task_off[i + 1] = ntasks;                                                                              \
+    ca_call_t call = {n_items, key_off, slots, row_off, rows, limits};                                         \
+    return ca_run_##SUF(q, q_stride, k_cache, v_cache, &call, 1, nh, nkv, d, scale, st_m, st_l, st_acc, NULL, store, \
+                        out);                                                                                  \
+}                                                                                                              \
+                                                                                                               \
+/* All of one layer's chunk_attn calls in one: desc [n_calls, 6] int64 per call (n_items, then the addresses of \
+ * key_off, slots, row_off, rows, limits; limits 0: none), in fold order (shared segments, then the tails); every \
+ * call but the last continues its rows' softmax state in buffers of its own (n_rows x nh states: the rows index \
+ * q's first n_rows rows), a row a call meets first starts empty, and the last call writes out. The bits of the \
+ * calls made one by one through a state filled with (-inf, 0, 0). Returns 0 when buffers cannot be allocated or \
+ * d is too large, else 1. */                                                                                  \
+int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_calls,  \
+                           const int64_t *desc, int64_t n_rows, int64_t nh, int64_t nkv, int64_t d, float scale, \
+                           T *out) {                                                                           \
+    ca_call_t calls_small[8], *calls = n_calls <= 8 ? calls_small : (ca_call_t *)malloc(sizeof(ca_call_t) * (size_t)n_calls); \
+    if (!calls || n_calls < 1) return calls != NULL;                                                           \
+    for (int64_t c = 0; c < n_calls; c++) {                                                                    \
+        const int64_t *x = desc + 6 * c;                                                                       \
+        calls[c] = (ca_call_t){x[0], (const int64_t *)(intptr_t)x[1], (const int64_t *)(intptr_t)x[2],         \
+                               (const int64_t *)(intptr_t)x[3], (const int64_t *)(intptr_t)x[4],               \
+                               (const int64_t *)(intptr_t)x[5]};                                               \
     }                                                                                                          \
-    int64_t work = 0;                                                                                          \
-    for (int64_t i = 0; i < n_items; i++) work += (row_off[i + 1] - row_off[i]) * (key_off[i + 1] - key_off[i]); \
-    size_t per_thread = (size_t)(2 * BI_CHUNK * d + 2 * BI_ATT_ROWS * grp * d + 2 * BI_ATT_ROWS * grp);        \
-    int nt = MAX_THREADS();                                                                                    \
-    float *buf_all = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);                                 \
-    if (!buf_all) { free(task_off); return 0; }                                                                \
-    int ok = 1;                                                                                                \
-    _Pragma("omp parallel if (work * nh * d >= PAR_MIN_WORK)")                                                 \
-    {                                                                                                          \
-    float *kf = buf_all + per_thread * (size_t)THREAD_ID(), *vf = kf + BI_CHUNK * d;                           \
-    float *qf = vf + BI_CHUNK * d, *acc = qf + BI_ATT_ROWS * grp * d;                                          \
-    float *mx = acc + BI_ATT_ROWS * grp * d, *sm = mx + BI_ATT_ROWS * grp;                                     \
-    _Pragma("omp for schedule(dynamic, 1)")                                                                    \
-    for (int64_t t = 0; t < ntasks; t++) {                                                                     \
-        int64_t it = 0;                                                                                        \
-        while (task_off[it + 1] <= t) it++;                                                                    \
-        int64_t local = t - task_off[it], kh = local % nkv, blk = local / nkv;                                 \
-        int64_t e0 = row_off[it] + blk * BI_ATT_ROWS, e1 = e0 + BI_ATT_ROWS;                                   \
-        if (e1 > row_off[it + 1]) e1 = row_off[it + 1];                                                        \
-        int64_t nkeys = key_off[it + 1] - key_off[it], maxlim = 0;                                             \
-        const int64_t *sl = slots + key_off[it];                                                               \
-        if (dp) { /* AVX-512 BF16: both products as pair chains (ca_task_pp_bf16) */                         \
-            ca_task_pp_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, rows, limits, e0, e1, kh, nh, nkv, d, scale, \
-                             st_m, st_l, st_acc, store, out, (uint32_t *)kf, (uint32_t *)vf, acc, mx, sm,      \
-                             (uint32_t *)qf);                                                                  \
-            continue;                                                                                          \
-        }                                                                                                      \
-        for (int64_t e = e0; e < e1; e++) {                                                                    \
-            int64_t lim = limits ? limits[e] : nkeys;                                                          \
-            if (lim > maxlim) maxlim = lim;                                                                    \
-            for (int64_t g = 0; g < grp; g++) {                                                                \
-                int64_t hd = kh * grp + g, si = (e - e0) * grp + g;                                            \
-                for (int64_t i = 0; i < d; i++) qf[si * d + i] = LD_##SUF(q + rows[e] * q_stride + hd * d + i); \
-                mx[si] = st_m ? st_m[rows[e] * nh + hd] : -INFINITY;                                           \
-                sm[si] = st_m ? st_l[rows[e] * nh + hd] : 0.f;                                                 \
-                for (int64_t i = 0; i < d; i++) acc[si * d + i] = st_m ? st_acc[(rows[e] * nh + hd) * d + i] : 0.f; \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {                                                    \
-            int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;                                      \
-            if (c1 - c0 < BI_CHUNK) /* a short last chunk: scores past it are computed and ignored */          \
-                for (int64_t i = 0; i < d; i++) for (int64_t j = c1 - c0; j < BI_CHUNK; j++) kf[i * BI_CHUNK + j] = 0.f; \
-            ca_gather_##SUF(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kf, vf);                   \
-            for (int64_t e = e0; e < e1; e++) {                                                                \
-                int64_t lim = limits ? limits[e] : nkeys;                                                      \
-                if (lim <= c0) continue;                                                                       \
-                int64_t nn = (lim < c1 ? lim : c1) - c0;                                                       \
-                for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) { /* up to CA_NQ heads of row e at once */          \
-                    int nq = grp - g0 < CA_NQ ? (int)(grp - g0) : CA_NQ;                                       \
-                    int64_t si0 = (e - e0) * grp + g0;                                                         \
-                    float sc[CA_NQ * BI_CHUNK], acl[CA_NQ * BI_MAX_D], mcs[CA_NQ], lcs[CA_NQ];                 \
-                    ca_scores(qf + si0 * d, nq, d, kf, sc);                                                    \
-                    /* keys past nn get score -inf, hence p = 0, which adds nothing */                         \
-                    for (int n = 0; n < nq; n++) ca_softmax(sc + n * BI_CHUNK, nn, scale, mcs + n, lcs + n);   \
-                    ca_pv(sc, nq, nn, vf, d, acl);                                                             \
-                    for (int n = 0; n < nq; n++) {                                                             \
-                        int64_t si = si0 + n;                                                                  \
-                        const float *ac = acl + n * d;                                                         \
-                        float mc = mcs[n], lc = lcs[n], mo = mx[si], mn = mo > mc ? mo : mc;                   \
-                        float a = fast_expf(mo - mn), b = fast_expf(mc - mn);                                  \
-                        sm[si] = sm[si] * a + lc * b;                                                          \
-                        float *ar = acc + si * d;                                                              \
-                        for (int64_t i = 0; i < d; i++) ar[i] = ar[i] * a + ac[i] * b;                         \
-                        mx[si] = mn;                                                                           \
-                    }                                                                                          \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int64_t e = e0; e < e1; e++)                                                                      \
-            for (int64_t g = 0; g < grp; g++) {                                                                \
-                int64_t hd = kh * grp + g, si = (e - e0) * grp + g;                                            \
-                const float *ar = acc + si * d;                                                                \
-                if (store) {                                                                                   \
-                    st_m[rows[e] * nh + hd] = mx[si];                                                          \
-                    st_l[rows[e] * nh + hd] = sm[si];                                                          \
-                    for (int64_t i = 0; i < d; i++) st_acc[(rows[e] * nh + hd) * d + i] = ar[i];               \
-                } else {                                                                                       \
-                    float l = sm[si];                                                                          \
-                    for (int64_t i = 0; i < d; i++) ST_##SUF(out + (rows[e] * nh + hd) * d + i, l > 0.f ? ar[i] / l : 0.f); \
-                }                                                                                              \
-            }                                                                                                  \
+    float *st = NULL;                                                                                          \
+    uint8_t *has = NULL;                                                                                       \
+    if (n_calls > 1) {                                                                                         \
+        st = (float *)malloc(sizeof(float) * (size_t)(n_rows * nh * (d + 2)));                                 \
+        has = (uint8_t *)calloc((size_t)(n_rows * nkv), 1);                                                    \
     }                                                                                                          \
-    }                                                                                                          \
-    free(buf_all);                                                                                             \
-    free(task_off);                                                                                            \
+    int ok = (n_calls == 1 || (st && has)) &&                                                                  \
+             ca_run_##SUF(q, q_stride, k_cache, v_cache, calls, n_calls, nh, nkv, d, scale, st, st ? st + n_rows * nh : NULL, \
+                          st ? st + 2 * n_rows * nh : NULL, has, 0, out);                                      \
+    free(st);                                                                                                  \
+    free(has);                                                                                                 \
+    if (calls != calls_small) free(calls);                                                                     \
     return ok;                                                                                                 \
 }
 

@@ -63,6 +63,7 @@ _SIGNATURES_INT = {
     "bi_linear_pack": [_P, _I, _I, _P],
     "bi_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I],
     "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P],
+    "chunk_attn_layer": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P],
     # quantised weights (idleless.quant): x in the kernels' dtype, weights int8 or GGUF Q4_1
     "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
@@ -557,6 +558,45 @@ class CpuKernels:
                                 key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
                                 _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out)):
             raise MemoryError("chunk_attn: cannot allocate its buffers")
+
+    def chunk_attn_desc(self, calls) -> torch.Tensor:
+        """The descriptor ``chunk_attn_layer`` takes for ``calls``, a sequence of (key_offsets, slots, row_offsets,
+        rows, limits or None) int64 contiguous index tensors (``chunk_attn``'s): int64 [len(calls), 6], per call
+        the item count and the tensors' addresses (limits None: 0). It holds addresses only: keep the tensors
+        alive while it is used. Raises ValueError on a bad index tensor or an empty ``calls``."""
+        if not calls:
+            raise ValueError("chunk_attn_layer: no calls")
+        rows = []
+        for ko, sl, ro, r, lim in calls:
+            _check_index(ko, sl, ro, r, *(() if lim is None else (lim,)))
+            n = ko.numel() - 1
+            if n < 0 or ro.numel() != n + 1 or (lim is not None and lim.numel() != r.numel()):
+                raise ValueError("chunk_attn_layer: layout mismatch")
+            rows.append([n, ko.data_ptr(), sl.data_ptr(), ro.data_ptr(), r.data_ptr(), _ptr(lim) or 0])
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def chunk_attn_layer(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, calls, scale: float,
+                         out: torch.Tensor, desc: Optional[torch.Tensor] = None) -> None:
+        """A layer's ``chunk_attn`` calls in one kernel call: calls (see ``chunk_attn_desc``) in fold order, the
+        shared segments, then the tails; every call but the last continues its rows' softmax state (kept by the
+        kernel: a row starts empty where no earlier call had it), the last writes out [T, H, D] (the kernels'
+        dtype, contiguous) for its rows. q [T, H, D] (heads contiguous, rows may be strided), caches
+        [num_slots, Hkv, D] contiguous, rows < T, D <= 256. The bits of ``chunk_attn`` called per call with a state
+        filled with (-inf, 0, 0) (``ChunkedAttention.forward``'s sequence). desc: ``chunk_attn_desc(calls)``,
+        made once and reused (else made here). Raises ValueError on a layout mismatch, MemoryError when buffers
+        cannot be allocated."""
+        self._check(q, k_cache, v_cache)
+        T, H, D = q.shape
+        Hkv = k_cache.shape[1]
+        if (q.stride(2) != 1 or q.stride(1) != D or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+                or v_cache.shape != k_cache.shape or k_cache.shape[2] != D or H % Hkv or D > 256
+                or out.dtype != self.dtype or out.shape[1:] != (H, D) or not out.is_contiguous()):
+            raise ValueError("chunk_attn_layer: layout mismatch")
+        if desc is None:
+            desc = self.chunk_attn_desc(calls)
+        if not self._chunk_attn_layer(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), desc.shape[0],
+                                      desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr()):
+            raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
 
     # ---- batch-invariant Q4_1 x bfloat16 on AVX-512 BF16 (H3; see the section comment in cpu_kernels.c) ----
     #: bytes per (panel of 16 output columns, block of 32 input features) of ``bi_q41_pack``'s layout

@@ -93,7 +93,6 @@ class DecodeGraph:
         kern = self.kernels
         self._rms_norm, self._rope, self._silu_mul = kern._rms_norm, kern._rope, kern._silu_mul
         self._kv_write, self._decode_attn = kern._kv_write, kern._decode_attn
-        self._chunk_attn = kern._chunk_attn
         self._views: dict[int, _Views] = {}
 
     @classmethod
@@ -192,47 +191,37 @@ class DecodeGraph:
 
     def _chunked_attention(self, part: ChunkedAttention, plan, out_cache_loc: torch.Tensor, v: _Views):
         """Deterministic inference's attention (``ChunkedAttention`` covering the batch: its segment calls,
-        then its tail call) as the backend runs it — K and V written into the pool, the segments folded
-        into a float32 softmax state (m [T, H] -inf, l [T, H] 0, acc [T, H, D] 0 at every layer), the
-        tails continuing it into the graph's buffer — with ``chunk_attn`` called by address:
-        ``f(layer) -> [T, H * D]``. None where the plan has no tail call covering the batch."""
+        then its tail call) as the backend runs it — K and V written into the pool, then the segments and the
+        tail in one ``chunk_attn_layer`` call (the segments' float32 softmax states in the kernel's own
+        buffers, the tail continuing them into the graph's buffer) — called by address with a descriptor
+        made once: ``f(layer) -> [T, H * D]``. None where the plan has no tail call covering the batch."""
         if len(plan.tails) != 1:
             return None
         backend = self.backend
         t = out_cache_loc.numel()
         h, hkv, d, kv_size, w = self.num_heads, self.num_kv_heads, self.head_dim, self.kv_size, self.qkv_width
         loc = out_cache_loc.contiguous()
-        calls = []  # (store, index tensors kept alive, argument tuple after the pool pointers)
-        for c, store in [(c, 1) for c in plan.segments] + [(plan.tails[0], 0)]:
-            idx = tuple(x.contiguous() for x in (c.key_offsets, c.slots, c.row_offsets, c.rows)) + (
-                () if c.limits is None else (c.limits.contiguous(),))
-            if any(x.dtype != torch.int64 for x in idx):
+        idx = []
+        for c in plan.segments + plan.tails:
+            x = tuple(y.contiguous() for y in (c.key_offsets, c.slots, c.row_offsets, c.rows)) + (
+                None if c.limits is None else c.limits.contiguous(),)
+            if any(y is not None and y.dtype != torch.int64 for y in x):
                 return None
-            calls.append((store, idx, (c.key_offsets.numel() - 1, *(x.data_ptr() for x in idx[:4]),
-                                       idx[4].data_ptr() if len(idx) > 4 else None)))
-        state = ()
-        if plan.segments:
-            state = (torch.empty(t, h), torch.empty(t, h), torch.empty(t, h, d))
-        st_ptrs = tuple(x.data_ptr() for x in state) or (None, None, None)
+            idx.append(x)
+        desc = self.kernels.chunk_attn_desc(idx)
         esize = v.qkv.element_size()
         q_ptr = v.qkv_ptr
         k_ptr, v_ptr = q_ptr + self.q_size * esize, q_ptr + (self.q_size + self.kv_size) * esize
         k_layers, v_layers = backend._k_layers, backend._v_layers
-        kv_write, chunk_attn, scale = self._kv_write, self._chunk_attn, part.scale
-        loc_ptr = loc.data_ptr()
+        kv_write, layer_attn, scale = self._kv_write, self.kernels._chunk_attn_layer, part.scale
+        loc_ptr, desc_ptr, n_calls = loc.data_ptr(), desc.data_ptr(), desc.shape[0]
 
         def attend(i: int) -> torch.Tensor:
             kc, vc = k_layers[i].data_ptr(), v_layers[i].data_ptr()
             kv_write(kc, k_ptr, w, loc_ptr, t, kv_size)
             kv_write(vc, v_ptr, w, loc_ptr, t, kv_size)
-            if state:
-                state[0].fill_(float("-inf"))
-                state[1].zero_()
-                state[2].zero_()
-            for store, _idx, args in calls:
-                if not chunk_attn(q_ptr, w, kc, vc, *args, h, hkv, d, scale, *st_ptrs, store,
-                                  None if store else v.attn_ptr):
-                    raise MemoryError("chunk_attn: cannot allocate its buffers")
+            if not layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr):
+                raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
             return v.attn
-        attend.keep = (loc, calls, state)  # alive while the closure is
+        attend.keep = (loc, idx, desc)  # alive while the closure is
         return attend

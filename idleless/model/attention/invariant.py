@@ -96,6 +96,11 @@ class ChunkedAttention(AttentionBackend):
     def forward(self, q, kc, vc, layer_id, plan, out, lse):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
+        if len(plan.tails) == 1 and self._one_call:
+            # the segments and the tail in one kernel call (its own state buffers; the same bits)
+            calls = [(c.key_offsets, c.slots, c.row_offsets, c.rows, c.limits) for c in plan.segments + plan.tails]
+            self.kernels.chunk_attn_layer(q, kc, vc, calls, self.scale, out)
+            return out
         state = None
         if plan.segments:
             T, H, D = q.shape
@@ -106,6 +111,9 @@ class ChunkedAttention(AttentionBackend):
             self._call(q, kc, vc, c, out, state, False)
         return out
 
+    #: whether forward may hand a layer's calls to ``chunk_attn_layer`` at once (the kernels' own arithmetic)
+    _one_call = True
+
     def _call(self, q, kc, vc, c: ChunkCall, out, state, store: bool) -> None:
         self.kernels.chunk_attn(q, kc, vc, c.key_offsets, c.slots, c.row_offsets, c.rows, c.limits, self.scale,
                                 out, state, store)
@@ -115,6 +123,8 @@ class TorchChunkedAttention(ChunkedAttention):
     """``ChunkedAttention``'s algorithm in PyTorch ops (no kernels of ours): per item and chunk of CHUNK
     keys (padded to CHUNK, padding masked), float32 scores as an elementwise product summed over the
     head dimension, chunk max / exp / sum, the fold into the state. Any device PyTorch runs on."""
+
+    _one_call = False
 
     def __init__(self, num_heads: int, head_dim: int):
         super().__init__(None, num_heads, head_dim)
