@@ -1174,13 +1174,12 @@ static void ca_gather_pp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, 
         }
     }
 }
-#define CA_PP_NQ 6 /* most query vectors of one ca_row_pp call (two rows of 3 heads) */
 /* acc[n][i0 + 16 c] (c < nv) of nq heads: times a[n], then the pair chains over np key pairs of vp (the last
  * pair's high key masked to +0 when odd) with the probabilities pb[n][jp] */
 static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb, const uint32_t *vp, int64_t np,
                                                              int odd, int64_t d, int64_t i0, const float *a,
                                                              float *acc, const int nq, const int nv) {
-    __m512 A[CA_PP_NQ][4];
+    __m512 A[CA_NQ][4];
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++)
             A[n][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + n * d + i0 + 16 * c), _mm512_set1_ps(a[n]));
@@ -1200,16 +1199,15 @@ static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb,
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + n * d + i0 + 16 * c, A[n][c]);
 }
-/* nq query vectors (one row's heads, or two rows' heads with the same nn: vector n at q[n])
- * fold one chunk (kp / vp, nn live keys) into their state mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words
- * of scratch. nb = ceil(nn / 16): the 16-key blocks with a live key, the only ones whose scores are computed (a
- * function of the row's own nn, so its bits are the same in any task). Two rows at once load each key and value
- * vector once for both (24 accumulators): the chains of each vector are those of one row alone. */
-static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *const *q, int64_t d, const uint32_t *kp,
+/* nq heads of one row (q: its first, heads d apart) fold one chunk (kp / vp, nn live keys) into their state
+ * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch. nb = ceil(nn / 16): the 16-key blocks
+ * with a live key, the only ones whose scores are computed (a function of the row's own nn, so its bits are
+ * the same in any task) */
+static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
                                                               const uint32_t *vp, int64_t nn, float scale, float *mx,
                                                               float *sm, float *acc, uint32_t *pb, const int nq,
                                                               const int nb) {
-    __m512 s[CA_PP_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
+    __m512 s[CA_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < 4; c++) s[n][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d / 2; i++) {
@@ -1221,7 +1219,7 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *co
             k[c] = (__m512bh)w;
         }
         for (int n = 0; n < nq; n++) {
-            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q[n] + 2 * i));
+            __m512bh qv = (__m512bh)_mm512_set1_epi32((int)ld_pair(q + n * d + 2 * i));
             for (int c = 0; c < nb; c++) s[n][c] = _mm512_dpbf16_ps(s[n][c], qv, k[c]);
         }
     }
@@ -1232,7 +1230,7 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *co
     }
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
-    float a[CA_PP_NQ];
+    float a[CA_NQ];
     for (int n = 0; n < nq; n++) {
         __m512 x[4];
         for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vs);
@@ -1261,24 +1259,17 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *co
 }
 #define CA_ROW_PP_NB(NQ)                                                                                  \
     switch (nb) {                                                                                         \
-    case 1: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 1); break;                     \
-    case 2: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 2); break;                     \
-    case 3: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 3); break;                     \
-    default: ca_row_pp_n(qp, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 4);                           \
+    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 1); break;                          \
+    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 2); break;                          \
+    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 3); break;                          \
+    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 4);                                \
     }
-static void ca_row_pp(const uint16_t *const *q, int per, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn,
-                      float scale, float *mx, float *sm, float *acc, uint32_t *pb, int nq) {
+static void ca_row_pp(const uint16_t *q, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn, float scale,
+                      float *mx, float *sm, float *acc, uint32_t *pb, int nq) {
     int nb = (int)((nn + 15) / 16);
-    const uint16_t *qp[CA_PP_NQ];
-    for (int n = 0; n < nq; n++) qp[n] = q[n / per] + (n % per) * d;
-    switch (nq) {
-    case 6: CA_ROW_PP_NB(6) break;
-    case 5: CA_ROW_PP_NB(5) break;
-    case 4: CA_ROW_PP_NB(4) break;
-    case 3: CA_ROW_PP_NB(3) break;
-    case 2: CA_ROW_PP_NB(2) break;
-    default: CA_ROW_PP_NB(1)
-    }
+    if (nq >= 3) { CA_ROW_PP_NB(3) }
+    else if (nq == 2) { CA_ROW_PP_NB(2) }
+    else { CA_ROW_PP_NB(1) }
 }
 /* One task of chunk_attn on the pair paths: rows e0..e1 (entries of rows / limits) of one item (sl: its nkeys
  * slots), kv head kh; kp / vp / acc / mx / sm / pb: the thread's buffers */
@@ -1312,22 +1303,10 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
             int64_t lim = limits ? limits[e] : nkeys;
             if (lim <= c0) continue;
             int64_t nn = (lim < c1 ? lim : c1) - c0;
-            if (2 * grp <= CA_PP_NQ && e + 1 < e1) { /* two rows with the same live keys share the loads */
-                int64_t lim1 = limits ? limits[e + 1] : nkeys;
-                if ((lim1 < c1 ? lim1 : c1) - c0 == nn) {
-                    const uint16_t *qr[2] = {q + rows[e] * q_stride + kh * grp * d, q + rows[e + 1] * q_stride + kh * grp * d};
-                    int64_t si = (e - e0) * grp;
-                    ca_row_pp(qr, (int)grp, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, (int)(2 * grp));
-                    if (nx) ca_bg_prefetch(nx->bg, k_cache, v_cache, 2 * CA_BG_KEYS);
-                    e++;
-                    continue;
-                }
-            }
-            for (int64_t g0 = 0; g0 < grp; g0 += CA_PP_NQ) {
+            for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) {
                 int64_t si = (e - e0) * grp + g0;
-                const uint16_t *qr[1] = {q + rows[e] * q_stride + (kh * grp + g0) * d};
-                int nq = grp - g0 < CA_PP_NQ ? (int)(grp - g0) : CA_PP_NQ;
-                ca_row_pp(qr, nq, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, nq);
+                const uint16_t *qr = q + rows[e] * q_stride + (kh * grp + g0) * d;
+                ca_row_pp(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, (int)(grp - g0));
             }
             if (nx) ca_bg_prefetch(nx->bg, k_cache, v_cache, CA_BG_KEYS);
         }
