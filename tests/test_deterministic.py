@@ -445,8 +445,8 @@ def test_head_dim_64_alone_beside_others_and_chunked_change_nothing(det_model_d6
 # ---- the default (issue 11: invariant by default in bfloat16) ----
 def test_the_default_resolves_on_in_half_precision_and_off_in_float32(caplog):
     """``enable_deterministic_inference`` None (the default) is on in bfloat16, off in float32 and float16, and
-    off with a log line for a sliding-window model and for int8 / fp8 weights with bf16 activations; an
-    explicit True / False wins."""
+    off with a log line for a sliding-window model and for fp8 weights with bf16 activations (int8 ones too
+    where the kernels lack q8p_linear); an explicit True / False wins."""
     from idleless.model.runner import resolve_deterministic
 
     assert resolve_deterministic(None, torch.bfloat16, None) and not resolve_deterministic(None, torch.float16, None)
@@ -456,10 +456,14 @@ def test_the_default_resolves_on_in_half_precision_and_off_in_float32(caplog):
         assert not resolve_deterministic(None, torch.bfloat16, 4096)
     assert "sliding-window" in caplog.text
     assert resolve_deterministic(True, torch.bfloat16, 4096)  # the attention backend then refuses it
-    # int8 / fp8 weights with bf16 activations: off by default (no invariant prefill kernel), on when asked
+    # fp8 weights with bf16 activations, and int8 ones without q8p_linear: off by default (no invariant
+    # prefill kernel), on when asked; int8 with q8p_linear (the same kernel in both modes): on
     for w in ("int8", "fp8"):
         assert not resolve_deterministic(None, torch.bfloat16, None, w, "bf16")
         assert resolve_deterministic(True, torch.bfloat16, None, w, "bf16")
+    assert resolve_deterministic(None, torch.bfloat16, None, "int8", "bf16", has_q8p=True)
+    assert not resolve_deterministic(None, torch.bfloat16, None, "fp8", "bf16", has_q8p=True)
+    assert not resolve_deterministic(False, torch.bfloat16, None, "int8", "bf16", has_q8p=True)
     for w, a in (("int4", "bf16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int8")):
         assert resolve_deterministic(None, torch.bfloat16, None, w, a)
 

@@ -102,20 +102,22 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def resolve_deterministic(setting: Optional[bool], dtype: torch.dtype, sliding_window: Optional[int],
-                          weight_dtype: str = "bf16", activation_dtype: str = "bf16") -> bool:
+                          weight_dtype: str = "bf16", activation_dtype: str = "bf16", has_q8p: bool = False) -> bool:
     """Whether the batch-invariant kernels run (``enable_deterministic_inference``): True / False as set;
     None (the default) -> on in bfloat16, where the other GEMMs change their summation order with the batch
     and a greedy answer would change with the traffic beside it; off in float32 (its cost was measured
     high on AVX2-only CPUs) and float16 (no fp16 kernels: the mode's torch fallback is slow); and off,
     with a log line, for a sliding-window model, which has no batch-invariant attention yet (set
-    explicitly, the attention backend raises ValueError for it), and for int8 / fp8 weights with bf16
-    activations, whose invariant path is their GEMV kernel at every batch size (prefill 3.3x slower:
-    benchmarks/README.md, "Issue 14 after the deterministic default")."""
+    explicitly, the attention backend raises ValueError for it), and for fp8 weights with bf16
+    activations, and int8 ones without ``q8p_linear`` (``has_q8p``: bfloat16 kernels with AVX-512 BF16 +
+    VBMI), whose invariant path is their GEMV kernel at every batch size (prefill 3.3x slower:
+    benchmarks/README.md, "Issue 14 after the deterministic default"). With ``q8p_linear`` int8 runs the
+    same kernel in both modes, and the mode's attention is the faster one: on."""
     if setting is not None:
         return setting
     if dtype != torch.bfloat16:
         return False
-    if weight_dtype in ("int8", "fp8") and activation_dtype == "bf16":
+    if (weight_dtype == "fp8" or (weight_dtype == "int8" and not has_q8p)) and activation_dtype == "bf16":
         log.info("deterministic inference off: %s weights with bf16 activations have no batch-invariant "
                  "prefill kernel yet (--enable-deterministic-inference runs their decode kernel for every batch)",
                  weight_dtype)
@@ -165,7 +167,8 @@ class ModelRunner:
         # issue 11: batch-invariant numerics by default in bfloat16 (``resolve_deterministic``)
         self.deterministic = det = resolve_deterministic(config.enable_deterministic_inference, self.dtype,
                                                          getattr(mc, "sliding_window", None), self.weight_dtype,
-                                                         config.activation_dtype)
+                                                         config.activation_dtype,
+                                                         getattr(self.kernels, "has_q8p", False))
         self.linear_method = select_linear_method(self.dtype, config.device, config.disable_weight_prepack,
                                                   self.kernels, deterministic=det, weight_dtype=self.weight_dtype,
                                                   activation_dtype=config.activation_dtype)
