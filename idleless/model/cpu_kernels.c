@@ -1448,6 +1448,19 @@ CA_PP_STUB(float, f32)
 #define BQ_XBYTES 393216 /* bytes of x rows per thread task in a large batch: about half of a 1 MiB L2 */
 #define BQ_MR 7       /* register tile: rows x panels of 16 columns (14 block chains + 14 sums in zmm) */
 #define BQ_NP 2
+/* the rows left after the full BQ_MR-row strips (1 .. BQ_MR - 1) in one strip of their own height, not row by
+ * row: STRIP(rows, panels per tile), bq_rows' and bz_rows' strip macros */
+#define BQ_LAST_ROWS(LEFT, STRIP)                                                                                 \
+    switch (LEFT) {                                                                                               \
+    case 1: STRIP(1, 4) break;                                                                                    \
+    case 2: STRIP(2, 4) break;                                                                                    \
+    case 3: STRIP(3, 4) break;                                                                                    \
+    case 4: STRIP(4, BQ_NP) break;                                                                                \
+    case 5: STRIP(5, BQ_NP) break;                                                                                \
+    case 6: STRIP(6, BQ_NP) break;                                                                                \
+    default: break;                                                                                               \
+    }
+_Static_assert(BQ_MR == 7, "BQ_LAST_ROWS covers 1 .. 6 rows left");
 void bi_q41_pack(const uint8_t *qs, const uint16_t *d, const uint16_t *mm, int64_t n, int64_t k, uint8_t *out) {
     int64_t nb = k / 32, np = (n + 15) / 16;
 #pragma omp parallel for if (n * k >= PAR_MIN_WORK)
@@ -1520,21 +1533,7 @@ static void bq_rows(const uint16_t *x, int64_t ldx, const float *sx, int64_t nb,
                     int64_t npg, const uint16_t *bias, int64_t col0, int64_t n, uint16_t *out, int64_t ldo,
                     int64_t r, int64_t r1) {
     for (; r + BQ_MR <= r1; r += BQ_MR) BQ_STRIP(BQ_MR, BQ_NP)
-    switch (r1 - r) { /* the last rows in one strip of their own height, not row by row */
-    case 1: BQ_STRIP(1, 4) break;
-    case 2: BQ_STRIP(2, 4) break;
-    case 3: BQ_STRIP(3, 4) break;
-#if BQ_MR > 4
-    case 4: BQ_STRIP(4, BQ_NP) break;
-#endif
-#if BQ_MR > 5
-    case 5: BQ_STRIP(5, BQ_NP) break;
-#endif
-#if BQ_MR > 6
-    case 6: BQ_STRIP(6, BQ_NP) break;
-#endif
-    default: break;
-    }
+    BQ_LAST_ROWS(r1 - r, BQ_STRIP)
 }
 #undef BQ_STRIP
 /* sx[r * nb + b] = block b of row r's 32 x values summed in float32 in order (0 + x0 + x1 + ... + x31): 16
@@ -1769,21 +1768,7 @@ static void bz_rows(const uint16_t *x, int64_t ldx, int64_t nb, const uint32_t *
                     const uint8_t *pf, int64_t pfn) {
     int64_t r = r0;
     for (; r + BQ_MR <= r1; r += BQ_MR) BZ_STRIP(BQ_MR, BQ_NP)
-    switch (r1 - r) { /* the last rows in one strip of their own height */
-    case 1: BZ_STRIP(1, 4) break;
-    case 2: BZ_STRIP(2, 4) break;
-    case 3: BZ_STRIP(3, 4) break;
-#if BQ_MR > 4
-    case 4: BZ_STRIP(4, BQ_NP) break;
-#endif
-#if BQ_MR > 5
-    case 5: BZ_STRIP(5, BQ_NP) break;
-#endif
-#if BQ_MR > 6
-    case 6: BZ_STRIP(6, BQ_NP) break;
-#endif
-    default: break;
-    }
+    BQ_LAST_ROWS(r1 - r, BZ_STRIP)
 }
 #undef BZ_STRIP
 /* rows r0 .. r0 + mr (1..BZ_REG_ROWS) over panels [p0, p1), decoded in registers: NP panels per tile, then 1 */

@@ -65,29 +65,12 @@ def _suffix_keys(tokens: list[int], end: int, windows: range) -> list[int]:
     return keys
 
 
-def _context_keys(tokens: list[int], start: int, windows: range) -> tuple[np.ndarray, np.ndarray]:
-    """Every (context, next token) of ``tokens`` for next positions e >= start: keys (uint64, the
-    ``_suffix_keys`` hash of tokens[e - n:e], n in windows, n <= e) and the tokens at e (int64)."""
+def _window_hashes(tokens: list[int], start: int, windows: range) -> tuple[np.ndarray, list, list]:
+    """(tokens as int64, keys, ends): per n in windows, the ``_suffix_keys`` hash (uint64) of tokens[e - n:e]
+    for every end e >= start with n <= e, and those ends (int64), one array pair per n, n ascending."""
     t = np.asarray(tokens, dtype=np.int64)
     t1 = t.astype(np.uint64) + np.uint64(1)
     ends = np.arange(start, len(t))
-    h = np.zeros(len(ends), np.uint64)
-    keys, nexts = [], []
-    for n in range(1, windows.stop):
-        ends = ends[ends >= n]
-        h = h[len(h) - len(ends):] * np.uint64(_B) + t1[ends - n]
-        if n >= windows.start:
-            keys.append(h)
-            nexts.append(t[ends])
-    return np.concatenate(keys), np.concatenate(nexts)
-
-
-def _end_keys(tokens: list[int], start: int, windows: range) -> tuple[list[int], list[int]]:
-    """Every (key, end) of ``tokens`` for ends e in [start, len(tokens)): the ``_suffix_keys`` hash of
-    tokens[e - n:e] for n in windows, n <= e, as Python ints, in the order ``_sync``'s loop visits
-    them (e ascending, then n), so a dict built from them keeps each key's most recent end."""
-    t1 = np.asarray(tokens, dtype=np.int64).astype(np.uint64) + np.uint64(1)
-    ends = np.arange(start, len(t1))
     h = np.zeros(len(ends), np.uint64)
     keys, at = [], []
     for n in range(1, windows.stop):
@@ -96,6 +79,23 @@ def _end_keys(tokens: list[int], start: int, windows: range) -> tuple[list[int],
         if n >= windows.start:
             keys.append(h)
             at.append(ends)
+    return t, keys, at
+
+
+def _context_keys(tokens: list[int], start: int, windows: range) -> tuple[np.ndarray, np.ndarray]:
+    """Every (context, next token) of ``tokens`` for next positions e >= start: keys (uint64, the
+    ``_suffix_keys`` hash of tokens[e - n:e], n in windows, n <= e) and the tokens at e (int64)."""
+    t, keys, at = _window_hashes(tokens, start, windows)
+    if not keys:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    return np.concatenate(keys), np.concatenate([t[e] for e in at])
+
+
+def _end_keys(tokens: list[int], start: int, windows: range) -> tuple[list[int], list[int]]:
+    """Every (key, end) of ``tokens`` for ends e in [start, len(tokens)): the ``_suffix_keys`` hash of
+    tokens[e - n:e] for n in windows, n <= e, as Python ints, in the order ``_sync``'s loop visits
+    them (e ascending, then n), so a dict built from them keeps each key's most recent end."""
+    _, keys, at = _window_hashes(tokens, start, windows)
     if not keys:
         return [], []
     keys, at = np.concatenate(keys), np.concatenate(at)
