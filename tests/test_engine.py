@@ -590,6 +590,8 @@ def test_smollm2_stop_string_across_token_boundary(smollm2_engine):
                 stop, cut, k_stop = cand, b - 2, k
                 break
     assert stop is not None, text
+    stats = engine.core.scheduler.stats
+    aborted, finished = stats.num_aborted, stats.num_finished
     out = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=[stop]),
                           use_tqdm=False, chat=True)
     assert out.text == text[:cut] and out.finish_reason == "stop" and out.matched_stop == stop
@@ -600,6 +602,8 @@ def test_smollm2_stop_string_across_token_boundary(smollm2_engine):
     deltas = _stream(engine, prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=[stop]))
     assert "".join(d.text for d in deltas) == text[:cut]
     assert deltas[-1].finish_reason == "stop" and deltas[-1].matched_stop == stop
+    # a stop string ends the request in the frontend, which tells the engine: finished, not aborted
+    assert (stats.num_aborted, stats.num_finished) == (aborted, finished + 3)
     engine_idle_accounting(engine)
 
 

@@ -76,6 +76,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_text_and_count(spec_server, r
     text = reference.text
     stop = "polished"
     assert stop in text
+    stats0 = httpx.get(spec_server.url + "/server_info", timeout=30).json()["stats"]
     got = _chat(spec_server, stop=[stop])
     choice = got["choices"][0]
     assert choice["finish_reason"] == "stop"
@@ -93,3 +94,6 @@ def test_a_stop_string_inside_an_accepted_run_cuts_text_and_count(spec_server, r
                     chunks.append(c["delta"].get("content") or "")
     assert "".join(chunks) == text[:text.index(stop)]
     spec_server.wait_idle_kv()
+    # the frontend ends a request at a stop string and tells the engine: counted finished, not aborted
+    stats = httpx.get(spec_server.url + "/server_info", timeout=30).json()["stats"]
+    assert stats["num_aborted"] == stats0["num_aborted"] and stats["num_finished"] == stats0["num_finished"] + 2

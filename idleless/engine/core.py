@@ -87,9 +87,10 @@ class EngineCore:
         if not self.kv_connector.admit(self, req):
             self.scheduler.add_request(req)
 
-    def abort(self, rid: str) -> bool:
-        """Abort a waiting or running request (reported at the next step); False if unknown."""
-        return self.scheduler.abort(rid) or self.kv_connector.abort(rid)
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Abort a waiting or running request (reported at the next step with ``reason``: ABORT, or STOP
+        for a request the frontend ended at a stop string); False if unknown."""
+        return self.scheduler.abort(rid, reason) or self.kv_connector.abort(rid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.kv_connector.has_work()

@@ -136,7 +136,7 @@ class EngineCoreLoop:
                 self._add(msg.request)
             elif isinstance(msg, AbortRequest):
                 if not self._drop_held(msg.rid):
-                    self.core.abort(msg.rid)
+                    self.core.abort(msg.rid, FinishReason.STOP if msg.stopped else FinishReason.ABORT)
             elif isinstance(msg, ControlCall):
                 self._call(msg)
             else:

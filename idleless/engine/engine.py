@@ -30,7 +30,7 @@ from idleless.config import EngineConfig
 from idleless.engine.core import EngineCore
 from idleless.engine.messages import (DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDisk,
                                       UpdateWeightsFromDistributed)
-from idleless.engine.request import RequestError, RequestOutput, SamplingParams
+from idleless.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from idleless.rl.control import PendingUpdate, WeightControl
 from idleless.text.output import CompletionDelta, CompletionOutput, RequestState, fan_out
 from idleless.telemetry.timing import LoopReporter
@@ -145,8 +145,8 @@ class Engine:
     def _sync_handler(self, st: RequestState):
         def handle(out: RequestOutput):
             _, abort = st.process(out)
-            if abort:
-                self.core.abort(st.rid)  # called while holding the lock, inside _step_once
+            if abort:  # a stop string ended it: finished, not aborted
+                self.core.abort(st.rid, FinishReason.STOP)  # called while holding the lock, inside _step_once
         return handle
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -225,8 +225,8 @@ class Engine:
         def handler_for(st: RequestState):
             def handle(out: RequestOutput):
                 delta, abort = st.process(out)
-                if abort:
-                    self.core.abort(st.rid)
+                if abort:  # a stop string ended it
+                    self.core.abort(st.rid, FinishReason.STOP)
                 if delta is not None:
                     loop.call_soon_threadsafe(queue.put_nowait, delta)
             return handle

@@ -39,9 +39,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Abort the request ``rid`` (unknown rids are ignored); its last output has finish_reason ``abort``."""
+    """Abort the request ``rid`` (unknown rids are ignored); its last output has finish_reason ``abort``,
+    or ``stop`` when ``stopped``: the frontend ended it at a stop string (counted as finished, not aborted)."""
 
     rid: str
+    stopped: bool = False
 
 
 @dataclass

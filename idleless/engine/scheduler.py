@@ -120,14 +120,15 @@ class Scheduler:
                                           max_new, seed=seed))
         self.stats.num_requests += 1
 
-    def abort(self, rid: str) -> bool:
-        """Abort a waiting or running request: it is reported with finish_reason ``abort`` at the
-        next step and its KV slots are released now. Returns False if the rid is unknown."""
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a waiting or running request from outside: it is reported with ``reason`` (ABORT; STOP
+        when the frontend matched a stop string, so the stats count it finished) at the next step and
+        its KV slots are released now. Returns False if the rid is unknown."""
         for queue in (self.waiting, self.running):
             for rec in queue:
                 if rec.rid == rid:
                     queue.remove(rec)
-                    self._finish(rec, FinishReason.ABORT)
+                    self._finish(rec, reason)
                     return True
         return False
 

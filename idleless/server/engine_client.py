@@ -331,7 +331,7 @@ class EngineClient:
         delta, abort = tr.state.process(out)
         if abort:
             try:
-                self._send(AbortRequest(out.rid))
+                self._send(AbortRequest(out.rid, stopped=True))  # a stop string ended it
             except EngineDeadError:
                 pass
         if delta is not None:
