@@ -130,7 +130,7 @@ def test_coercible_values_are_refused_not_coerced(model, body, param):
 
 @pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
 def test_message_without_content_is_refused(role):
-    """OpenAI's API requires content on every message but an assistant's (its tool-call turns)."""
+    """OpenAI's API requires content on every message but an assistant's tool-call turn."""
     msg = {"role": role, **({"tool_call_id": "c1"} if role == "tool" else {})}
     for m in (msg, {**msg, "content": None}):
         with pytest.raises(APIError) as e:
@@ -140,7 +140,9 @@ def test_message_without_content_is_refused(role):
 
 
 def test_assistant_without_content_and_typed_logprobs_are_accepted():
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "again"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "again"}]
     r = parse_request(ChatCompletionRequest, {**CHAT, "messages": history, "logprobs": True, "top_logprobs": 2})
     assert r.sampling_params().top_logprobs == 2 and r.messages[1].to_template()["content"] == ""
     assert parse_request(CompletionRequest, {**COMP, "logprobs": 3}).sampling_params().top_logprobs == 3

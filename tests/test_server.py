@@ -300,7 +300,15 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", None),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, None),
     ("/v1/chat/completions", {**CHAT, "messages": "hello"}, "messages", None),
-    ("/v1/chat/completions", {**CHAT, "model": "gpt-17"}, "model", "model_not_found"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": []}]}, None, None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+     None, None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "content": None, "tool_calls": []}]}, None, None),
+    # strict types, as OpenAI: "5", "2" and "yes" are refused, not converted (breaker of 2adbfbd)
+    ("/v1/completions", {**COMP, "max_tokens": "5"}, "max_tokens", None),
+    ("/v1/completions", {**COMP, "n": "2"}, "n", None),
+    ("/v1/completions", {**COMP, "stream": "yes"}, "stream", None),
     ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature", None),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature", None),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", None),
@@ -368,6 +376,17 @@ def test_bad_input_is_400(server, http, path, body, param, code):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_unknown_model_is_404(server, http):
+    """As OpenAI and vLLM: a model that is not served is a 404 ``model_not_found`` naming ``model``."""
+    for path, body in (("/v1/chat/completions", {**CHAT, "model": "gpt-17"}), ("/v1/completions", {**COMP, "model": "x"})):
+        r = http.post(path, json=body)
+        assert r.status_code == 404, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "model" and err["code"] == "model_not_found" and set(err) == {"message", "type", "param",
+                                                                                            "code"}
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_stream_options_without_stream_is_400(http):
     """As OpenAI: ``stream_options`` is only allowed with ``stream`` (it is not silently ignored)."""
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream_options": {"include_usage": True}})
@@ -418,7 +437,7 @@ def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=10**6)
     assert ei.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     # and still serving
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None

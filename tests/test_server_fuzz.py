@@ -114,7 +114,8 @@ valid_sampling = {
 valid_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "developer"]),
      "content": st.text(max_size=40) | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                      "text": st.text(max_size=20)}), max_size=2)})
+                                                                      "text": st.text(max_size=20)}), min_size=1,
+                                                       max_size=2)})  # [] is a 400, as OpenAI
 
 
 @st.composite

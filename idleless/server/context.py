@@ -107,11 +107,12 @@ class ServerContext:
                 from None
 
     def check_model(self, name: Optional[str]) -> str:
-        """The served model name for a request's ``model`` (None = the default); else a 400."""
+        """The served model name for a request's ``model`` (None = the default); else a 404 (as OpenAI
+        and vLLM: the model is a resource that does not exist)."""
         settings = self.settings
         if name is None or name in settings.model_names:
             return name or settings.model_name
-        raise APIError(400, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
                        param="model", code="model_not_found")
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -230,24 +230,24 @@ class _SamplingRequest(_Checked):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM/SGLang extras)."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[StrictInt] = None  # strict, as OpenAI: "5" is a 400, not 5
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    top_k: Optional[StrictInt] = None
     min_p: Optional[float] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
+    seed: Optional[StrictInt] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[TokenIds] = None
-    ignore_eos: Optional[bool] = False
-    min_tokens: Optional[int] = 0
-    n: Optional[int] = 1
-    stream: Optional[bool] = False
+    ignore_eos: Optional[StrictBool] = False
+    min_tokens: Optional[StrictInt] = 0
+    n: Optional[StrictInt] = 1
+    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
-    include_stop_str_in_output: Optional[bool] = False
-    skip_special_tokens: Optional[bool] = True
+    include_stop_str_in_output: Optional[StrictBool] = False
+    skip_special_tokens: Optional[StrictBool] = True
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     priority: Optional[StrictInt] = 0  # vLLM's: higher is admitted first and retracted last
@@ -430,9 +430,9 @@ class TextPart(_Lenient):
 
 class ChatMessage(_Lenient):
     """One chat message; ``developer`` is treated as ``system``. ``content`` is a string, a list
-    of text parts (joined with newlines) or, for an assistant turn only, null or absent (a turn of
-    tool calls without text), as OpenAI's API: a system, user or tool message without content is a
-    400 (ValueError at validation)."""
+    of text parts (joined with newlines) or, for an assistant turn with ``tool_calls`` only, null or
+    absent, as OpenAI's API: any other message without content, or with an empty list, is a 400
+    (ValueError at validation)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
@@ -442,8 +442,11 @@ class ChatMessage(_Lenient):
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        if isinstance(self.content, list) and not self.content:
+            raise ValueError("content must be a string or a non-empty list of text parts")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)"
+                             + (" or tool_calls" if self.role == "assistant" else ""))
         return self
 
     def to_template(self) -> dict:
@@ -556,7 +559,7 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     prompt's entries in the response's ``prompt_logprobs``; then ``max_tokens`` 0 scores only.
     Template fields: :class:`_ChatTemplateFields`."""
 
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = None
     prompt_logprobs: Optional[StrictInt] = None
