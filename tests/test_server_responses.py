@@ -118,6 +118,7 @@ def test_streamed_function_call(client, model):
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+    ({"input": []}, "input"),  # named as the Responses API's field, not the chat request it becomes
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),
 ])

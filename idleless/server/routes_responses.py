@@ -75,6 +75,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     msgs: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
         return msgs + [{"role": "user", "content": req.input}]
+    if not req.input:
+        raise APIError(400, "input must be a string or a non-empty list of items", param="input", code="invalid_value")
     for i, item in enumerate(req.input):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
