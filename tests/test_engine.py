@@ -683,7 +683,9 @@ def test_smollm2_bad_requests_do_not_disturb_a_stream(smollm2_engine, tmp_path):
         assert errors["too-long"] == errors["max-tokens"] == "context_length_exceeded"
         with pytest.raises(ValueError, match="FalconForCausalLM"):
             Engine(model=bad_arch, dtype="float32", kv_cache_memory="1MiB", num_threads=TEST_THREADS)
-        other = engine.generate_stream("Count from one to one hundred.", params, chat=True)
+        # long enough that it cannot end before its consumer leaves
+        other = engine.generate_stream("Count from one to one hundred.",
+                                       SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True), chat=True)
         await other.__anext__()
         await other.aclose()  # the consumer leaves: the request is aborted
         async for d in agen:
@@ -695,9 +697,9 @@ def test_smollm2_bad_requests_do_not_disturb_a_stream(smollm2_engine, tmp_path):
     assert sum((d.token_ids for d in deltas), []) == alone.token_ids
     assert deltas[-1].finish_reason == "length"
     engine_idle_accounting(engine)
-    # the abandoned stream ends aborted or, if it finished first, finished: either way nothing is left running
-    stats = engine.core.scheduler.stats
-    assert stats.num_aborted + stats.num_finished == stats.num_requests and stats.num_aborted <= aborted + 1
+    # the abandoned stream is aborted at once: its abort waited on the engine loop's lock for seconds (the
+    # loop re-took it step after step) and, after test_bench_offline, missed the request's end
+    assert engine.core.scheduler.stats.num_aborted == aborted + 1
     assert engine.flush_cache()
     kv = engine.stats()["kv"]
     assert kv["free"] == kv["total"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
@@ -212,6 +213,10 @@ class Engine:
             if not self._step_once():
                 self._wake.wait(0.05)
                 self._wake.clear()
+            else:
+                # let a thread waiting on the lock (a submit, a consumer's abort) take it: a lock is not
+                # fair, and re-taking it at once starved an abort for seconds, past its request's end
+                time.sleep(0)
 
     async def generate_stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
                               chat: bool = False, priority: int = 0) -> AsyncIterator[CompletionDelta]:
