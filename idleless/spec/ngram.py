@@ -85,9 +85,7 @@ def _window_hashes(tokens: list[int], start: int, windows: range) -> tuple[np.nd
 def _context_keys(tokens: list[int], start: int, windows: range) -> tuple[np.ndarray, np.ndarray]:
     """Every (context, next token) of ``tokens`` for next positions e >= start: keys (uint64, the
     ``_suffix_keys`` hash of tokens[e - n:e], n in windows, n <= e) and the tokens at e (int64)."""
-    t, keys, at = _window_hashes(tokens, start, windows)
-    if not keys:
-        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    t, keys, at = _window_hashes(tokens, start, windows)  # windows is never empty: one array pair at least
     return np.concatenate(keys), np.concatenate([t[e] for e in at])
 
 
@@ -96,8 +94,6 @@ def _end_keys(tokens: list[int], start: int, windows: range) -> tuple[list[int],
     tokens[e - n:e] for n in windows, n <= e, as Python ints, in the order ``_sync``'s loop visits
     them (e ascending, then n), so a dict built from them keeps each key's most recent end."""
     _, keys, at = _window_hashes(tokens, start, windows)
-    if not keys:
-        return [], []
     keys, at = np.concatenate(keys), np.concatenate(at)
     order = np.argsort(at, kind="stable")  # e-major; within an end, n ascending (the concatenation's order)
     return keys[order].tolist(), at[order].tolist()
