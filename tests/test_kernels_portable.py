@@ -71,6 +71,28 @@ def test_silu_mul_native_equals_portable_and_float64(dtype, m):
         assert (outs[0] == F.silu(gu[:, :m]) * gu[:, m:]).float().mean() >= 0.99
 
 
+def test_silu_mul_bf16_every_gate_against_float64():
+    """silu_mul on bfloat16 reads silu from a table of all 65536 gate bit patterns: every pattern, in both
+    builds, against float64 SiLU rounded to bfloat16 (u = 1: the product is the table entry). The table is
+    computed with float32's exp (a few ulp): a float64 value within that of a bfloat16 rounding boundary
+    may round the other way, so all finite gates are within one bfloat16 step (or, below -88 where float32's exp
+    overflows, -0 for a float64 value under 1e-36) and nearly all equal; NaN gates give NaN."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gu = torch.cat([gates.view(64, 1024), torch.ones(64, 1024, dtype=torch.bfloat16)], 1)
+    outs = [k.silu_mul(gu).view(-1) for k in BUILDS[torch.bfloat16]]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    g = gates.double()
+    finite = torch.isfinite(g)
+    ref = (g / (1 + torch.exp(-g))).to(torch.bfloat16)
+    got = outs[0]
+    assert torch.isnan(got[torch.isnan(g)]).all()
+    exact = (got[finite].view(torch.int16) == ref[finite].view(torch.int16)).double().mean()
+    assert exact >= 0.999
+    steps = (got[finite].view(torch.int16).int() - ref[finite].view(torch.int16).int()).abs()
+    tiny = (got[finite].double() - ref[finite].double()).abs() < 1e-36
+    assert ((steps <= 1) | tiny).all()
+
+
 @DTYPES
 @pytest.mark.parametrize("d", [4, 16, 64, 128])
 def test_rope_native_equals_portable_and_eager(dtype, d):

@@ -208,6 +208,46 @@ static inline int64_t glue_round_##SUF(const float *src, float *dst, int64_t n) 
 static inline int64_t glue_rope_##SUF(T *xh, const float *c, const float *s, int64_t half) { return 0; } \
 static inline int64_t glue_silu_mul_##SUF(const T *g, const T *u, T *o, int64_t m) { return 0; }
 #endif
+
+/* ---- SwiGLU on bfloat16 by table ------------------------------------------------------------------
+ * silu of a bfloat16 gate, rounded to bfloat16, is a function of the gate's 16 bits: silu_tab_bf16 holds
+ * it for all 65536 of them, computed at load (about a millisecond) by the scalar formula of silu_mul, so
+ * silu_mul_bf16 = T(tab[g] * u) gives the bits of that formula (and of the AVX2 loop, which gives its
+ * bits) at a lookup per element instead of an exp and a division. */
+static float silu_tab_bf16[65536];
+__attribute__((constructor)) static void silu_tab_init(void) {
+    for (uint32_t b = 0; b < 65536; b++) {
+        float gv = bf16_to_f32((uint16_t)b);
+        silu_tab_bf16[b] = RD_bf16(gv / (1.0f + fast_expf(-gv)));
+    }
+}
+#if defined(__AVX512F__)
+static inline __m512 w8_ld16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void w8_st16_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+#endif
+/* o[i] = T(tab[g[i]] * u[i]) for i < m (all of the row): returns m */
+static inline int64_t silu_tab_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t m) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= m; i += 16) {
+        __m512i gi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i)));
+        w8_st16_bf16(o + i, _mm512_mul_ps(_mm512_i32gather_ps(gi, silu_tab_bf16, 4), w8_ld16_bf16(u + i)));
+    }
+#endif
+    for (; i < m; i++) o[i] = f32_to_bf16(silu_tab_bf16[g[i]] * bf16_to_f32(u[i]));
+    return i;
+}
+#define SILU_MUL_FAST_f32 glue_silu_mul_f32
+#define SILU_MUL_FAST_bf16 silu_tab_mul_bf16
 DEFINE_GLUE_SIMD(f32, float)
 DEFINE_GLUE_SIMD(bf16, uint16_t)
 
@@ -568,7 +608,7 @@ void silu_mul_##SUF(const T *gu, T *out, int64_t n, int64_t m) {                
     for (int64_t r = 0; r < n; r++) {                                                                 \
         const T *g = gu + r * 2 * m, *u = g + m;                                                      \
         T *o = out + r * m;                                                                           \
-        for (int64_t i = glue_silu_mul_##SUF(g, u, o, m); i < m; i++) {                               \
+        for (int64_t i = SILU_MUL_FAST_##SUF(g, u, o, m); i < m; i++) {                               \
             float gv = LD_##SUF(g + i);                                                               \
             ST_##SUF(o + i, RD_##SUF(gv / (1.0f + fast_expf(-gv))) * LD_##SUF(u + i));                     \
         }                                                                                             \
@@ -3455,18 +3495,7 @@ static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t
     }                                                                                                          \
     sum = _mm512_reduce_add_epi32(tot);
 static inline __m512 w8_ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 w8_ld16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 static inline void w8_st16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void w8_st16_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
 /* the epilogue of 16 columns c .. c + 16 of one row (all inside n): T(float(acc - corr) * sx * scale + bias),
  * 16 lanes at once (the scalar loop's operations in its order) */
 #define W8_STORE16(SUF)                                                                                        \
