@@ -4,10 +4,10 @@ Run by the Python of a separate venv that has llama-cpp-python (``shared/baselin
 builds it from source for the CPU); it imports nothing from Idleless, so it runs as a file:
 
     PYTHON idleless/bench/llamacpp_speed.py --gguf F --ids ids.json --threads 1 \\
-        --prefill-tokens 1000 --decode-prompt 16 --decode-steps 64
+        --prefill-tokens 1000 --prefill-repeats 3 --decode-prompt 16 --decode-steps 64
 
 Measures, on the token ids given (the same ids the Idleless rows use): after one untimed prefill of
-the same size (warm-up), a prefill of --prefill-tokens from an empty context (``Llama.eval``, llama.cpp's own batching: n_batch = the prefill, its default
+the same size (warm-up), --prefill-repeats prefills (their median) of --prefill-tokens from an empty context (``Llama.eval``, llama.cpp's own batching: n_batch = the prefill, its default
 micro-batch), and --decode-steps greedy batch-1 decode steps after a --decode-prompt-token prompt
 (one ``eval`` of one token per step, the argmax of its logits). Prints one JSON line: tokens/s by wall
 time and by this process's CPU time, and llama.cpp's version.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import numpy as np
@@ -35,6 +36,7 @@ def main() -> None:
     p.add_argument("--ids", required=True, help="JSON list of token ids (at least --prefill-tokens)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prefill-tokens", type=int, default=1000)
+    p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills (their median)")
     p.add_argument("--decode-prompt", type=int, default=16)
     p.add_argument("--decode-steps", type=int, default=64)
     a = p.parse_args()
@@ -45,8 +47,12 @@ def main() -> None:
                 n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
     llm.eval(ids[:n])  # warm-up at the timed size: first-call allocations, as the Idleless rows
     llm.reset()
-    prefill_wall, prefill_cpu = _timed(lambda: llm.eval(ids[:n]))
-    llm.reset()
+    runs = []
+    for _ in range(a.prefill_repeats):
+        runs.append(_timed(lambda: llm.eval(ids[:n])))
+        llm.reset()
+    prefill_wall = statistics.median(w for w, _ in runs)
+    prefill_cpu = statistics.median(c for _, c in runs)
     llm.eval(ids[:a.decode_prompt])
     tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
 

@@ -16,7 +16,8 @@ for weight updates) and the KV bytes per token with the tokens ``--kv-cache-memo
 Speed (``--speed-combos``, and llama.cpp with ``--llamacpp PYTHON``: a Python with llama-cpp-python,
 running ``llamacpp_speed.py``): every row in its own fresh process, the rows alternating, ``--repeats``
 rounds, the median reported; the same token ids (the text repeated) and ``--threads`` for all. A
-prefill of ``--prefill-tokens`` from an empty cache, timed after an untimed one of the same size (one extend for Idleless), and ``--decode-steps``
+prefill of ``--prefill-tokens`` from an empty cache, ``--prefill-repeats`` of them timed after an untimed one of
+the same size (one extend each for Idleless; their median), and ``--decode-steps``
 greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
 step: the model alone, without scheduler or sampler), in tokens/s of wall time and of the process's CPU
 time (the steadier figure on a shared machine with one thread).
@@ -65,19 +66,28 @@ def parse_combo(item: str) -> dict:
     return out
 
 
-def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decode_steps: int) -> dict:
-    """A prefill of ids[:prefill_tokens] from an empty cache (after an untimed one of the same size: the
-    first in a process runs at about half the rate), then ``decode_steps`` greedy batch-1 steps
-    after a prefill of ids[:decode_prompt]: tokens/s of wall and of process CPU time for each."""
+def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decode_steps: int,
+          prefill_repeats: int = 3) -> dict:
+    """Prefills of ids[:prefill_tokens] from an empty cache, ``prefill_repeats`` of them timed after an
+    untimed one of the same size (the first in a process runs at about half the rate), their median,
+    then ``decode_steps`` greedy batch-1 steps after a prefill of ids[:decode_prompt]: tokens/s of wall
+    and of process CPU time for each."""
+    import statistics
+
     pool, n = runner.pool, prefill_tokens
     out = {}
     slots = pool.alloc(0, 0, n)
     # warm-up at the timed size: a first 1000-token extend in a fresh process runs at about half the
-    # rate of the next (first-call allocations, the GEMM library's plans), which hid the kernels' ratios
+    # rate of the next (first-call allocations, the GEMM library's plans), which hid the kernels' ratios;
+    # and one timed prefill on a shared 2-core machine varied by 10% from one to the next: the median
+    walls, cpus = [], []
     forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
-    t0, c0 = time.perf_counter(), time.process_time()
-    forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
-    out.update(prefill_tok_s=n / (time.perf_counter() - t0), prefill_tok_s_cpu=n / (time.process_time() - c0))
+    for _ in range(prefill_repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        forward_range(runner, ids[:n], slots, 0, torch.tensor([n - 1]))
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    out.update(prefill_tok_s=n / statistics.median(walls), prefill_tok_s_cpu=n / statistics.median(cpus))
     pool.free(slots)
     slots = pool.alloc(0, 0, decode_prompt + decode_steps)
     tok = int(forward_range(runner, ids[:decode_prompt], slots, 0, torch.tensor([decode_prompt - 1])).argmax())
@@ -134,7 +144,8 @@ def _speed_child(args: argparse.Namespace, ids: list[int]) -> dict:
     from idleless.model.runner import ModelRunner
 
     runner = ModelRunner(_config(args, args.speed_child))
-    return {"engine": "idleless", **speed(runner, ids, args.prefill_tokens, args.decode_prompt, args.decode_steps)}
+    return {"engine": "idleless", **speed(runner, ids, args.prefill_tokens, args.decode_prompt, args.decode_steps,
+                                          args.prefill_repeats)}
 
 
 def _speed_ids(ids: list[int], n: int) -> list[int]:
@@ -159,6 +170,7 @@ def speed_rows(args: argparse.Namespace, ids: list[int]) -> list[dict]:
 
     items = [c for c in args.speed_combos.split(",") if c] + (["llama.cpp"] if args.llamacpp else [])
     common = ["--threads", str(args.threads), "--prefill-tokens", str(args.prefill_tokens),
+              "--prefill-repeats", str(args.prefill_repeats),
               "--decode-prompt", str(args.decode_prompt), "--decode-steps", str(args.decode_steps)]
     runs: dict[str, list[dict]] = {item: [] for item in items}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
@@ -244,6 +256,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of the speed rows (median)")
     parser.add_argument("--chunk", type=int, default=64, help="extend size of the quality pass (tokens)")
     parser.add_argument("--prefill-tokens", type=int, default=1000)
+    parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per process (their median)")
     parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens before the decode steps")
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="64MiB")
