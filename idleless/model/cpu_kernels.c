@@ -233,7 +233,51 @@ static inline void w8_st16_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
+static inline __m512 w8_ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void w8_st16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 v16_rd_f32(__m512 v) { return v; }
+static inline __m512 v16_rd_bf16(__m512 v) { /* rounded to bfloat16 as f32_to_bf16, back in float32 */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* rms_norm's row passes on 16 lanes, over the leading multiple of 16 of a row (the returned count; the AVX2
+ * helpers and the scalar loops finish it): the same IEEE operations in the same order, so the same bits.
+ * norm512_in: buf[i] = T(res[i] + x[i]) also written to res (res != NULL), else x[i], and in the same pass
+ * ss[l] += buf[i]^2 for lane l = i % 16 (the sum of squares' lanes). norm512_out: out[i] = T(w[i] * T(buf[i] * inv)). */
+#define DEFINE_NORM512(SUF, T)                                                                          \
+static inline int64_t norm512_in_##SUF(const T *x, T *res, float *buf, int64_t h, float *ss) {         \
+    __m512 acc = _mm512_loadu_ps(ss);                                                                  \
+    int64_t i = 0;                                                                                     \
+    for (; i + 16 <= h; i += 16) {                                                                     \
+        __m512 v = w8_ld16_##SUF(x + i);                                                               \
+        if (res) {                                                                                     \
+            v = v16_rd_##SUF(_mm512_add_ps(w8_ld16_##SUF(res + i), v));                                \
+            w8_st16_##SUF(res + i, v);                                                                 \
+        }                                                                                              \
+        _mm512_storeu_ps(buf + i, v);                                                                  \
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));                                                 \
+    }                                                                                                  \
+    _mm512_storeu_ps(ss, acc);                                                                         \
+    return i;                                                                                          \
+}                                                                                                      \
+static inline int64_t norm512_out_##SUF(const float *buf, const T *w, float inv, T *out, int64_t h) {  \
+    const __m512 vi = _mm512_set1_ps(inv);                                                             \
+    int64_t i = 0;                                                                                     \
+    for (; i + 16 <= h; i += 16)                                                                       \
+        w8_st16_##SUF(out + i, _mm512_mul_ps(w8_ld16_##SUF(w + i), v16_rd_##SUF(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vi)))); \
+    return i;                                                                                          \
+}
+#else
+#define DEFINE_NORM512(SUF, T)                                                                          \
+static inline int64_t norm512_in_##SUF(const T *x, T *res, float *buf, int64_t h, float *ss) { return 0; } \
+static inline int64_t norm512_out_##SUF(const float *buf, const T *w, float inv, T *out, int64_t h) { return 0; }
 #endif
+DEFINE_NORM512(f32, float)
+DEFINE_NORM512(bf16, uint16_t)
 /* o[i] = T(tab[g[i]] * u[i]) for i < m (all of the row): returns m */
 static inline int64_t silu_tab_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t m) {
     int64_t i = 0;
@@ -556,24 +600,26 @@ void rms_norm_##SUF(const T *x, int64_t x_stride, T *res, int64_t res_stride, co
         const T *xr = x + r * x_stride;                                                               \
         T *outr = out + r * out_stride;                                                               \
         float ss[16] = {0};                                                                           \
+        T *rr = res ? res + r * res_stride : NULL;                                                    \
+        int64_t i0 = norm512_in_##SUF(xr, rr, buf, h, ss); /* squares of buf[0..i0) already in ss */  \
         if (res) {                                                                                    \
-            T *rr = res + r * res_stride;                                                             \
-            for (int64_t i = glue_add_##SUF(xr, rr, buf, h); i < h; i++) {                            \
+            for (int64_t i = i0 + glue_add_##SUF(xr + i0, rr + i0, buf + i0, h - i0); i < h; i++) {   \
                 float v = RD_##SUF(LD_##SUF(rr + i) + LD_##SUF(xr + i));                              \
                 ST_##SUF(rr + i, v);                                                                  \
                 buf[i] = v;                                                                           \
             }                                                                                         \
         } else {                                                                                      \
-            for (int64_t i = glue_load_##SUF(xr, buf, h); i < h; i++) buf[i] = LD_##SUF(xr + i);      \
+            for (int64_t i = i0 + glue_load_##SUF(xr + i0, buf + i0, h - i0); i < h; i++) buf[i] = LD_##SUF(xr + i); \
         }                                                                                             \
-        int64_t i = glue_sumsq(buf, h, ss);                                                           \
+        int64_t i = i0 + glue_sumsq(buf + i0, h - i0, ss);                                            \
         for (; i + 16 <= h; i += 16)                                                                  \
             for (int l = 0; l < 16; l++) ss[l] += buf[i + l] * buf[i + l];                            \
         for (; i < h; i++) ss[0] += buf[i] * buf[i];                                                  \
         float s = 0.f;                                                                                \
         for (int l = 0; l < 16; l++) s += ss[l];                                                      \
         float inv = 1.0f / sqrtf(s / (float)h + eps);                                                 \
-        for (i = glue_scale_##SUF(buf, w, inv, outr, h); i < h; i++)                                  \
+        i0 = norm512_out_##SUF(buf, w, inv, outr, h);                                                 \
+        for (i = i0 + glue_scale_##SUF(buf + i0, w + i0, inv, outr + i0, h - i0); i < h; i++)         \
             ST_##SUF(outr + i, LD_##SUF(w + i) * RD_##SUF(buf[i] * inv));                             \
     }                                                                                                 \
 }                                                                                                     \
@@ -1276,7 +1322,8 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
         for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vs);
         float mc = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
         float mo = mx[n], mn = mo > mc ? mo : mc;
-        a[n] = fast_expf(mo - mn);
+        /* fast_expf(0) is exactly 1: skipped where the running max stands (most chunks after the first) */
+        a[n] = mo == mn && mo - mo == 0.f ? 1.f : fast_expf(mo - mn);
         __m512 vm = _mm512_set1_ps(mn);
         __m512 e[4];
         for (int c = 0; c < 4; c++) e[c] = _mm512_maskz_mov_ps(live[c], ca_exp16(_mm512_sub_ps(x[c], vm)));
@@ -3494,8 +3541,6 @@ static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(c));                                         \
     }                                                                                                          \
     sum = _mm512_reduce_add_epi32(tot);
-static inline __m512 w8_ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline void w8_st16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
 /* the epilogue of 16 columns c .. c + 16 of one row (all inside n): T(float(acc - corr) * sx * scale + bias),
  * 16 lanes at once (the scalar loop's operations in its order) */
 #define W8_STORE16(SUF)                                                                                        \
