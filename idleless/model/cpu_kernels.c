@@ -222,10 +222,10 @@ __attribute__((constructor)) static void silu_tab_init(void) {
     }
 }
 #if defined(__AVX512F__)
-static inline __m512 w8_ld16_bf16(const uint16_t *p) {
+static inline __m512 v16_ld_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline void w8_st16_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
+static inline void v16_st_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
     __m512i u = _mm512_castps_si512(v);
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
@@ -233,8 +233,8 @@ static inline void w8_st16_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
-static inline __m512 w8_ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline void w8_st16_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 v16_ld_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v16_st_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline __m512 v16_rd_f32(__m512 v) { return v; }
 static inline __m512 v16_rd_bf16(__m512 v) { /* rounded to bfloat16 as f32_to_bf16, back in float32 */
     __m512i u = _mm512_castps_si512(v);
@@ -253,10 +253,10 @@ static inline int64_t norm512_in_##SUF(const T *x, T *res, float *buf, int64_t h
     __m512 acc = _mm512_loadu_ps(ss);                                                                  \
     int64_t i = 0;                                                                                     \
     for (; i + 16 <= h; i += 16) {                                                                     \
-        __m512 v = w8_ld16_##SUF(x + i);                                                               \
+        __m512 v = v16_ld_##SUF(x + i);                                                               \
         if (res) {                                                                                     \
-            v = v16_rd_##SUF(_mm512_add_ps(w8_ld16_##SUF(res + i), v));                                \
-            w8_st16_##SUF(res + i, v);                                                                 \
+            v = v16_rd_##SUF(_mm512_add_ps(v16_ld_##SUF(res + i), v));                                \
+            v16_st_##SUF(res + i, v);                                                                 \
         }                                                                                              \
         _mm512_storeu_ps(buf + i, v);                                                                  \
         acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));                                                 \
@@ -268,7 +268,7 @@ static inline int64_t norm512_out_##SUF(const float *buf, const T *w, float inv,
     const __m512 vi = _mm512_set1_ps(inv);                                                             \
     int64_t i = 0;                                                                                     \
     for (; i + 16 <= h; i += 16)                                                                       \
-        w8_st16_##SUF(out + i, _mm512_mul_ps(w8_ld16_##SUF(w + i), v16_rd_##SUF(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vi)))); \
+        v16_st_##SUF(out + i, _mm512_mul_ps(v16_ld_##SUF(w + i), v16_rd_##SUF(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vi)))); \
     return i;                                                                                          \
 }
 #else
@@ -284,7 +284,7 @@ static inline int64_t silu_tab_mul_bf16(const uint16_t *g, const uint16_t *u, ui
 #if defined(__AVX512F__)
     for (; i + 16 <= m; i += 16) {
         __m512i gi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + i)));
-        w8_st16_bf16(o + i, _mm512_mul_ps(_mm512_i32gather_ps(gi, silu_tab_bf16, 4), w8_ld16_bf16(u + i)));
+        v16_st_bf16(o + i, _mm512_mul_ps(_mm512_i32gather_ps(gi, silu_tab_bf16, 4), v16_ld_bf16(u + i)));
     }
 #endif
     for (; i < m; i++) o[i] = f32_to_bf16(silu_tab_bf16[g[i]] * bf16_to_f32(u[i]));
@@ -3528,14 +3528,14 @@ static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t
 /* amax of x[0..k) (NaN skipped, as the scalar max) */
 #define W8_AMAX_SIMD(SUF)                                                                                      \
     __m512 mx = _mm512_setzero_ps();                                                                           \
-    for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(_mm512_abs_ps(w8_ld16_##SUF(x + i)), mx);                 \
+    for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(_mm512_abs_ps(v16_ld_##SUF(x + i)), mx);                 \
     amax = _mm512_reduce_max_ps(mx);
 /* codes of x[0..k) / div, rounded to nearest even and clamped to +-127, and their sum */
 #define W8_CODES_SIMD(SUF)                                                                                     \
     __m512i tot = _mm512_setzero_si512();                                                                      \
     const __m512 vdiv = _mm512_set1_ps(div), lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);        \
     for (; i + 16 <= k; i += 16) {                                                                             \
-        __m512 y = _mm512_roundscale_ps(_mm512_div_ps(w8_ld16_##SUF(x + i), vdiv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+        __m512 y = _mm512_roundscale_ps(_mm512_div_ps(v16_ld_##SUF(x + i), vdiv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
         __m512i c = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(y, lim), nlim));                           \
         tot = _mm512_add_epi32(tot, c);                                                                        \
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(c));                                         \
@@ -3547,8 +3547,8 @@ static void w8_tile_any(const int8_t *xq, int64_t kq, const uint8_t *wp, int64_t
     {                                                                                                          \
         __m512i a = _mm512_sub_epi32(_mm512_loadu_si512((const void *)acc), _mm512_set1_epi32(corr));          \
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(s)), _mm512_loadu_ps(scale + c)); \
-        if (bias) v = _mm512_add_ps(v, w8_ld16_##SUF(bias + c));                                               \
-        w8_st16_##SUF(o + c, v);                                                                               \
+        if (bias) v = _mm512_add_ps(v, v16_ld_##SUF(bias + c));                                               \
+        v16_st_##SUF(o + c, v);                                                                               \
     }
 #define W8_VNNI 1
 #else
