@@ -49,3 +49,15 @@ def test_quality_rows_and_speed(tmp_path):
 def test_llamacpp_needs_a_gguf(tmp_path):
     with pytest.raises(ValueError, match="GGUF"):
         precision._gguf_path(make_tiny_model(tmp_path))
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--prefill-repeats", "--prefill-tokens", "--decode-prompt"])
+@pytest.mark.parametrize("value", ["0", "-2", "x"])
+def test_counts_must_be_positive(flag, value, capsys):
+    """A count of 0 used to end in statistics' or an index error after minutes of loading: argparse refuses it."""
+    parser = argparse.ArgumentParser()
+    precision.add_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, value])
+    assert flag in capsys.readouterr().err
+    assert getattr(parser.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3
