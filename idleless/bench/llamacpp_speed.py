@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--decode-prompt", type=int, default=16)
     p.add_argument("--decode-steps", type=int, default=64)
     a = p.parse_args()
+    for flag in ("prefill_tokens", "prefill_repeats", "decode_prompt"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     with open(a.ids) as f:
         ids = json.load(f)
     n = a.prefill_tokens

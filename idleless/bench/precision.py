@@ -214,16 +214,19 @@ def run(args: argparse.Namespace) -> dict:
         quality = quality_rows(args, ids)
     speeds = []
     if args.speed_combos or args.llamacpp:
-        print(f"speed: prefill {args.prefill_tokens} tokens, batch-1 decode {args.decode_steps} steps after "
-              f"{args.decode_prompt}, {args.threads} thread(s), {args.repeats} alternating round(s)", flush=True)
+        print(f"speed: prefill {args.prefill_tokens} tokens (median of {args.prefill_repeats} per process), batch-1 "
+              f"decode {args.decode_steps} steps after {args.decode_prompt}, {args.threads} thread(s), {args.repeats} "
+              "alternating round(s)", flush=True)
         speeds = speed_rows(args, ids)
         print(SPEED_HEADER)
         for r in speeds:
             print(_speed_md(r))
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": _cpu_name(),
             "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "model": model_dir,
-            "text_tokens": len(ids), "chunk": args.chunk, "command": " ".join(sys.argv), "quality": quality,
-            "speed": speeds}
+            "text_tokens": len(ids), "chunk": args.chunk, "prefill_tokens": args.prefill_tokens,
+            "prefill_repeats": args.prefill_repeats, "decode_prompt": args.decode_prompt,
+            "decode_steps": args.decode_steps, "repeats": args.repeats, "command": " ".join(sys.argv),
+            "quality": quality, "speed": speeds}
 
 
 QUALITY_HEADER = ("| combination | KL mean | KL max | top-1 | ppl | linear MiB | KV B/token | KV tokens |\n"
