@@ -275,16 +275,22 @@ def ram_fraction(value: str) -> str:
     return repr(v)
 
 
-def tensor_parallel_size(value: str) -> int:
-    """argparse type of ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp``: an integer >= 1. Raises
-    argparse.ArgumentTypeError otherwise (whether N divides the model's heads is checked at load)."""
+def at_least_one(value: str, what: str = "the value") -> int:
+    """argparse type of a count: ``value`` as an integer >= 1. Raises argparse.ArgumentTypeError otherwise,
+    naming ``what``."""
     try:
         n = int(value)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"the tensor-parallel size must be an integer >= 1, got {value!r}")
+        raise argparse.ArgumentTypeError(f"{what} must be an integer >= 1, got {value!r}")
     return n
+
+
+def tensor_parallel_size(value: str) -> int:
+    """argparse type of ``--tensor-parallel-size`` / ``--tp-size`` / ``-tp``: an integer >= 1. Raises
+    argparse.ArgumentTypeError otherwise (whether N divides the model's heads is checked at load)."""
+    return at_least_one(value, "the tensor-parallel size")
 
 
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

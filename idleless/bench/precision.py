@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from idleless.config import EngineConfig
+from idleless.config import EngineConfig, at_least_one
 from idleless.quant.accuracy import compare, forward_range, next_token_logits, text_token_ids
 from idleless.quant.gate import linear_weight_bytes
 
@@ -245,17 +245,6 @@ def _speed_md(r: dict) -> str:
             f"{r['decode_tok_s_cpu']:.1f} |")
 
 
-def _at_least_one(value: str) -> int:
-    """argparse type of the counts and sizes: an integer >= 1, else argparse.ArgumentTypeError."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
-
-
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The bench's flags."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
@@ -267,11 +256,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_SPEED_COMBOS}); empty: none")
     parser.add_argument("--llamacpp", default=None, metavar="PYTHON", help="a Python with llama-cpp-python: adds "
                         "llama.cpp's speed on the same GGUF file (shared/baselines/setup_llamacpp.sh builds one)")
-    parser.add_argument("--repeats", type=_at_least_one, default=2, help="alternating rounds of the speed rows (median)")
+    parser.add_argument("--repeats", type=at_least_one, default=2, help="alternating rounds of the speed rows (median)")
     parser.add_argument("--chunk", type=int, default=64, help="extend size of the quality pass (tokens)")
-    parser.add_argument("--prefill-tokens", type=_at_least_one, default=1000)
-    parser.add_argument("--prefill-repeats", type=_at_least_one, default=3, help="timed prefills per process (their median)")
-    parser.add_argument("--decode-prompt", type=_at_least_one, default=16, help="prompt tokens before the decode steps")
+    parser.add_argument("--prefill-tokens", type=at_least_one, default=1000)
+    parser.add_argument("--prefill-repeats", type=at_least_one, default=3, help="timed prefills per process (their median)")
+    parser.add_argument("--decode-prompt", type=at_least_one, default=16, help="prompt tokens before the decode steps")
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--output", default=None, help="write the JSON here")
