@@ -225,14 +225,6 @@ __attribute__((constructor)) static void silu_tab_init(void) {
 static inline __m512 v16_ld_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline void v16_st_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
 static inline __m512 v16_ld_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline void v16_st_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline __m512 v16_rd_f32(__m512 v) { return v; }
@@ -243,6 +235,9 @@ static inline __m512 v16_rd_bf16(__m512 v) { /* rounded to bfloat16 as f32_to_bf
     __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void v16_st_bf16(uint16_t *p, __m512 v) { /* f32_to_bf16 per lane (nearest even, NaN kept quiet) */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v16_rd_bf16(v)), 16)));
 }
 /* rms_norm's row passes on 16 lanes, over the leading multiple of 16 of a row (the returned count; the AVX2
  * helpers and the scalar loops finish it): the same IEEE operations in the same order, so the same bits.
