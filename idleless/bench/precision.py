@@ -35,6 +35,7 @@ import argparse
 import datetime as _dt
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -72,8 +73,6 @@ def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decod
     untimed one of the same size (the first in a process runs at about half the rate), their median,
     then ``decode_steps`` greedy batch-1 steps after a prefill of ids[:decode_prompt]: tokens/s of wall
     and of process CPU time for each."""
-    import statistics
-
     pool, n = runner.pool, prefill_tokens
     out = {}
     slots = pool.alloc(0, 0, n)
@@ -165,7 +164,6 @@ def speed_rows(args: argparse.Namespace, ids: list[int]) -> list[dict]:
     """Every --speed-combos item (and llama.cpp with --llamacpp) in its own process, the rows
     alternating over --repeats rounds; per row the median of each figure and every run. Raises
     RuntimeError when a child fails (its output in the message)."""
-    import statistics
     import tempfile
 
     items = [c for c in args.speed_combos.split(",") if c] + (["llama.cpp"] if args.llamacpp else [])
