@@ -25,6 +25,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Scratch memory kept by the calling thread from call to call, one region per SCRATCH_* user: a prefill's
+ * per-call buffers of a megabyte or more would otherwise be a fresh mmap and page faults zeroing it, per
+ * layer (W8A8's activation codes: ~100 MB of zeroed pages per 1000-token prefill). At least `bytes`
+ * long, 64-byte aligned; NULL if it cannot grow. Held until the thread exits. */
+enum { SCRATCH_K8, SCRATCH_W8A8, SCRATCH_N };
+static __thread void *scratch_mem[SCRATCH_N];
+static __thread size_t scratch_cap[SCRATCH_N];
+static void *scratch(int slot, size_t bytes) {
+    if (bytes > scratch_cap[slot]) {
+        free(scratch_mem[slot]);
+        size_t cap = (bytes + bytes / 4 + 63) / 64 * 64;
+        scratch_mem[slot] = aligned_alloc(64, cap);
+        scratch_cap[slot] = scratch_mem[slot] ? cap : 0;
+    }
+    return scratch_mem[slot];
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -781,6 +798,9 @@ DEFINE_KERNELS(bf16, uint16_t)
 #define BI_CHUNK 64    /* keys per softmax chunk of chunk_attn */
 #define BI_ATT_ROWS 16 /* query rows per thread task of chunk_attn (they share each gathered chunk) */
 #define BI_MAX_D 256   /* largest head dimension chunk_attn takes */
+/* words of one (chunk, kv head) block of chunk_attn's int8 keys: codes [d / 4][BI_CHUNK] (word g of key j: its
+ * codes 4g..4g+3), then BI_CHUNK scales s_k (float32), then BI_CHUNK values 128 x (sum of the key's codes) */
+#define CA8_WORDS(d) ((d) / 4 * BI_CHUNK + 2 * BI_CHUNK)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1148,10 +1168,14 @@ static inline void ca_prefetch_item(const void *k_cache, const void *v_cache, co
 /* a dtype without the VDPBF16PS pair paths: ca_dp_<sfx> says no, so ca_task_pp_<sfx> is never called */
 #define CA_PP_STUB(T, sfx) \
     static inline int ca_dp_##sfx(int64_t d) { return 0; } \
+    static inline int ca_k8_##sfx(int64_t d) { return 0; } \
+    static inline uint32_t *ca_k8_buffer_##sfx(size_t words) { return NULL; } \
+    static inline void ca_quant_k8_##sfx(const T *k_cache, const int64_t *sl, int64_t n, int64_t tok, int64_t d, \
+        uint32_t *blk) {} \
     static inline void ca_task_pp_##sfx(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
         const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0, int64_t e1, \
         int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, const ca_state_t *st, const ca_next_t *nx, \
-        T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb) {}
+        T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8) {}
 /* ---- Batch-invariant kernels on AVX-512 BF16 (helper H3, issue 11 on AMD EPYC Zen 4) ------------------
  * Where the CPU has VDPBF16PS, the bfloat16 batch-invariant kernels take bf16 pairs as the instruction
  * wants them: each product of two bf16 values is exact in float32, two of them added to the float32
@@ -1228,10 +1252,10 @@ static inline __m512 ca_exp16(__m512 x) { /* e^x for x <= 0 (NaN, -inf: e^-87) *
 }
 /* n <= BI_CHUNK keys: K as bf16 pairs kp [d / 2][BI_CHUNK] (32-bit words, lane = key, by a 16 x 16 transpose; a
  * short block padded with copies of its last key, masked later), V as key pairs vp [BI_CHUNK / 2][d] (word i
- * of pair jp: v_2jp[i] low, v_2jp+1[i] high; +0 past key n - 1) */
+ * of pair jp: v_2jp[i] low, v_2jp+1[i] high; +0 past key n - 1); kp NULL: V only */
 static void ca_gather_pp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
                               int64_t tok, int64_t off, int64_t d, uint32_t *kp, uint32_t *vp) {
-    for (int64_t j = 0; j < n; j += 16) {
+    for (int64_t j = 0; kp && j < n; j += 16) {
         const uint16_t *kr[16];
         for (int r = 0; r < 16; r++) kr[r] = k_cache + sl[j + r < n ? j + r : n - 1] * tok + off;
         for (int64_t pb = 0; pb < d / 32; pb++) {
@@ -1280,17 +1304,107 @@ static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb,
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + n * d + i0 + 16 * c, A[n][c]);
 }
+/* ---- int8 scores (--activation-dtype int8; SageAttention's QK^T, Zhang et al., arXiv 2410.02367) ----
+ * Under W8A8 the scores q.k are taken on int8 codes: q per (row, head) and k per (key, kv head) quantised as
+ * w8a8_linear's activations (idleless.quant.formats.quantize_rows: s = max|x| / 127, codes rint(x / s) clamped
+ * to +-127), the dot product exact in int32 by VPDPBUSD on (q codes + 128) and k codes, less 128 x the key's
+ * code sum: score_j = (float(dot_j) * s_kj) * (s_q * scale), then the softmax and P.V of ca_row_pp_n as for
+ * bf16 scores. The codes and scales are functions of one row or one key, so a row's bits stay independent of
+ * its batch, task and call (the keys are quantised once per call, ca_quant_k8, read by all its tasks). Half
+ * the score instructions of the pair chains. Only here (AVX-512 BF16 + VNNI, d a multiple of 32); elsewhere
+ * the scores stay those of bf16 activations. */
+#if defined(__AVX512VNNI__)
+static inline int ca_k8_bf16(int64_t d) { return ca_dp_bf16(d); }
+#else
+static inline int ca_k8_bf16(int64_t d) { return 0; }
+#endif
+/* a call's int8 keys (a decode step's too: kept from call to call) */
+static inline uint32_t *ca_k8_buffer_bf16(size_t words) { return (uint32_t *)scratch(SCRATCH_K8, 4 * words); }
+static inline float w8_quant_row_bf16(const uint16_t *x, int64_t k, int64_t kq, int8_t *q, int32_t *xsum);
+/* n <= BI_CHUNK keys (token rows sl[j] of k_cache, tok = nkv * d elements each) -> the blocks of their nkv
+ * heads, blk + kh * CA8_WORDS(d) (keys from n on: codes, scale and sum 0). A decode row's keys are read
+ * here first, at scattered slots: the token rows CA_K8_AHEAD keys on are prefetched */
+#define CA_K8_AHEAD 6
+static void ca_quant_k8_bf16(const uint16_t *k_cache, const int64_t *sl, int64_t n, int64_t tok, int64_t d,
+                             uint32_t *blk) {
+    int64_t nkv = tok / d, w = CA8_WORDS(d);
+    int8_t codes[BI_MAX_D];
+    for (int64_t j = 0; j < n && j < CA_K8_AHEAD; j++)
+        for (int64_t b = 0; b < 2 * tok; b += 64) __builtin_prefetch((const char *)(k_cache + sl[j] * tok) + b);
+    for (int64_t j = 0; j < BI_CHUNK; j++) {
+        if (j + CA_K8_AHEAD < n)
+            for (int64_t b = 0; b < 2 * tok; b += 64)
+                __builtin_prefetch((const char *)(k_cache + sl[j + CA_K8_AHEAD] * tok) + b);
+        for (int64_t kh = 0; kh < nkv; kh++) {
+            uint32_t *bk = blk + kh * w;
+            float *sk = (float *)(bk + d / 4 * BI_CHUNK);
+            int32_t *kc = (int32_t *)(sk + BI_CHUNK);
+            int32_t sum = 0;
+            if (j < n) sk[j] = w8_quant_row_bf16(k_cache + sl[j] * tok + kh * d, d, d, codes, &sum);
+            else { sk[j] = 0.f; memset(codes, 0, (size_t)d); }
+            kc[j] = 128 * sum;
+            for (int64_t g = 0; g < d / 4; g++) memcpy(bk + g * BI_CHUNK + j, codes + 4 * g, 4);
+        }
+    }
+}
+/* acc + VPDPBUSD(a unsigned bytes, b signed bytes) in place: GCC's intrinsic copied every accumulator twice
+ * around each instruction in ca_row_pp_n's loop (two register moves per product) */
+static inline __m512i ca_dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+/* one query head's d values -> q8 (d / 4 words of codes + 128), returns its scale s_q */
+static inline float ca_quant_q8(const uint16_t *q, int64_t d, uint32_t *q8) {
+    int8_t codes[BI_MAX_D];
+    int32_t sum;
+    float s = w8_quant_row_bf16(q, d, d, codes, &sum);
+    for (int64_t g = 0; g < d / 4; g++) {
+        uint32_t w;
+        memcpy(&w, codes + 4 * g, 4);
+        q8[g] = w ^ 0x80808080u; /* each byte c + 128 */
+    }
+    return s;
+}
 /* nq heads of one row (q: its first, heads d apart) fold one chunk (kp / vp, nn live keys) into their state
  * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch. nb = ceil(nn / 16): the 16-key blocks
  * with a live key, the only ones whose scores are computed (a function of the row's own nn, so its bits are
- * the same in any task) */
+ * the same in any task). k8 not NULL: int8 scores (ca_quant_k8's block of this chunk; q8: the nq heads' codes
+ * + 128 as d / 4 words each, qs: their sq * scale), kp unused */
 static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
                                                               const uint32_t *vp, int64_t nn, float scale, float *mx,
-                                                              float *sm, float *acc, uint32_t *pb, const int nq,
+                                                              float *sm, float *acc, uint32_t *pb, const uint32_t *k8,
+                                                              const uint32_t *q8, const float *qs, const int nq,
                                                               const int nb) {
     __m512 s[CA_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < 4; c++) s[n][c] = _mm512_setzero_ps();
+#if defined(__AVX512VNNI__)
+    if (k8) {
+        __m512i si[CA_NQ][4];
+        for (int n = 0; n < nq; n++)
+            for (int c = 0; c < 4; c++) si[n][c] = _mm512_setzero_si512();
+        for (int64_t g = 0; g < d / 4; g++) {
+            const uint32_t *kr = k8 + g * BI_CHUNK;
+            __m512i k[4];
+            for (int c = 0; c < nb; c++) {
+                k[c] = _mm512_loadu_si512(kr + 16 * c);
+                __asm__("" : "+v"(k[c])); /* kept in a register for the nq heads */
+            }
+            for (int n = 0; n < nq; n++) {
+                __m512i qv = _mm512_set1_epi32((int)q8[n * (d / 4) + g]);
+                for (int c = 0; c < nb; c++) si[n][c] = ca_dpbusd(si[n][c], qv, k[c]);
+            }
+        }
+        const float *sk = (const float *)(k8 + d / 4 * BI_CHUNK);
+        const int32_t *kc = (const int32_t *)(sk + BI_CHUNK);
+        for (int c = 0; c < nb; c++) {
+            __m512 vk = _mm512_loadu_ps(sk + 16 * c);
+            __m512i vc = _mm512_loadu_si512(kc + 16 * c);
+            for (int n = 0; n < nq; n++)
+                s[n][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[n][c], vc)), vk);
+        }
+    } else
+#endif
     for (int64_t i = 0; i < d / 2; i++) {
         const uint32_t *kr = kp + i * BI_CHUNK;
         __m512bh k[4];
@@ -1313,8 +1427,8 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
     const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
     float a[CA_NQ];
     for (int n = 0; n < nq; n++) {
-        __m512 x[4];
-        for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vs);
+        __m512 x[4], vsn = k8 ? _mm512_set1_ps(qs[n]) : vs;
+        for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vsn);
         float mc = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
         float mo = mx[n], mn = mo > mc ? mo : mc;
         /* fast_expf(0) is exactly 1: skipped where the running max stands (most chunks after the first) */
@@ -1341,13 +1455,14 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
 }
 #define CA_ROW_PP_NB(NQ)                                                                                  \
     switch (nb) {                                                                                         \
-    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 1); break;                          \
-    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 2); break;                          \
-    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 3); break;                          \
-    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, NQ, 4);                                \
+    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 1); break;              \
+    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 2); break;              \
+    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 3); break;              \
+    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 4);                    \
     }
 static void ca_row_pp(const uint16_t *q, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn, float scale,
-                      float *mx, float *sm, float *acc, uint32_t *pb, int nq) {
+                      float *mx, float *sm, float *acc, uint32_t *pb, const uint32_t *k8, const uint32_t *q8,
+                      const float *qs, int nq) {
     int nb = (int)((nn + 15) / 16);
     if (nq >= 3) { CA_ROW_PP_NB(3) }
     else if (nq == 2) { CA_ROW_PP_NB(2) }
@@ -1359,14 +1474,19 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
                             const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0,
                             int64_t e1, int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale,
                             const ca_state_t *st, const ca_next_t *nx, uint16_t *out, uint32_t *kp, uint32_t *vp,
-                            float *acc, float *mx, float *sm, uint32_t *pb) {
+                            float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8) {
     int64_t grp = nh / nkv, maxlim = 0;
+    /* int8 scores: the rows' query codes + 128 (d / 4 words per head) and sq * scale, after pb's CA_NQ x
+     * BI_CHUNK / 2 words (the thread's pb buffer holds BI_ATT_ROWS x grp x d words) */
+    uint32_t *q8 = pb + CA_NQ * BI_CHUNK / 2;
+    float *qs = (float *)(q8 + BI_ATT_ROWS * grp * (d / 4));
     for (int64_t e = e0; e < e1; e++) {
         int64_t lim = limits ? limits[e] : nkeys;
         if (lim > maxlim) maxlim = lim;
         int ld = ca_loads(st, rows[e], nkv, kh);
         for (int64_t g = 0; g < grp; g++) {
             int64_t hd = kh * grp + g, si = (e - e0) * grp + g;
+            if (k8) qs[si] = ca_quant_q8(q + rows[e] * q_stride + hd * d, d, q8 + si * (d / 4)) * scale;
             mx[si] = ld ? st->m[rows[e] * nh + hd] : -INFINITY;
             sm[si] = ld ? st->l[rows[e] * nh + hd] : 0.f;
             if (ld) memcpy(acc + si * d, st->acc + (rows[e] * nh + hd) * d, sizeof(float) * (size_t)d);
@@ -1375,7 +1495,8 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
     }
     for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {
         int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;
-        ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kp, vp);
+        const uint32_t *kb = k8 ? k8 + (c0 / BI_CHUNK * nkv + kh) * CA8_WORDS(d) : NULL;
+        ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kb ? NULL : kp, vp);
         if (c1 < maxlim)
             ca_prefetch(k_cache, v_cache, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK), 2 * nkv * d,
                         2 * kh * d, 2 * d);
@@ -1388,7 +1509,8 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
             for (int64_t g0 = 0; g0 < grp; g0 += CA_NQ) {
                 int64_t si = (e - e0) * grp + g0;
                 const uint16_t *qr = q + rows[e] * q_stride + (kh * grp + g0) * d;
-                ca_row_pp(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, (int)(grp - g0));
+                ca_row_pp(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, kb, q8 + si * (d / 4),
+                          qs + si, (int)(grp - g0));
             }
             if (nx) ca_bg_prefetch(nx->bg, k_cache, v_cache, CA_BG_KEYS);
         }
@@ -2092,28 +2214,35 @@ static void ca_task_##SUF(const T *q, int64_t q_stride, const T *k_cache, const 
  * allocated or d is too large, else 1. */                                                                     \
 static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const ca_call_t *calls, \
                         int64_t n_calls, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, \
-                        float *st_acc, uint8_t *has, int store_last, T *out) {                                 \
-    int64_t grp = nh / nkv, n_off = 0, work = 0;                                                               \
+                        float *st_acc, uint8_t *has, int store_last, int qk8, T *out) {                        \
+    int64_t grp = nh / nkv, n_off = 0, work = 0, max_blk = 0;                                                  \
     const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
+    const int k8 = dp && qk8 && ca_k8_##SUF(d); /* int8 scores (ca_quant_k8_bf16's section comment) */         \
     if (d > BI_MAX_D) return 0;                                                                                \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
-    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_off + 3 * n_calls + 2));                \
+    /* per call: task_off (first task of each item), then with k8 cb (first key block of each item) */         \
+    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * n_off + 3 * n_calls + 2));            \
     if (!task_off) return 0;                                                                                   \
-    int64_t *base = task_off + n_off, *ctr = base + n_calls;                                                   \
+    int64_t *cb_all = task_off + n_off, *base = cb_all + n_off, *ctr = base + n_calls;                         \
     n_off = 0;                                                                                                 \
     for (int64_t c = 0; c < n_calls; c++) {                                                                    \
         const ca_call_t *cl = calls + c;                                                                       \
-        int64_t *to = task_off + n_off;                                                                        \
+        int64_t *to = task_off + n_off, *cb = cb_all + n_off;                                                  \
         base[c] = n_off;                                                                                       \
         ctr[c] = 0;                                                                                            \
-        to[0] = 0;                                                                                             \
+        to[0] = cb[0] = 0;                                                                                     \
         for (int64_t i = 0; i < cl->n_items; i++) {                                                            \
-            int64_t nr = cl->row_off[i + 1] - cl->row_off[i];                                                  \
+            int64_t nr = cl->row_off[i + 1] - cl->row_off[i], nk = cl->key_off[i + 1] - cl->key_off[i];        \
             to[i + 1] = to[i] + nkv * ((nr + BI_ATT_ROWS - 1) / BI_ATT_ROWS);                                  \
-            work += nr * (cl->key_off[i + 1] - cl->key_off[i]);                                                \
+            cb[i + 1] = cb[i] + nkv * ((nk + BI_CHUNK - 1) / BI_CHUNK);                                        \
+            work += nr * nk;                                                                                   \
         }                                                                                                      \
+        if (cb[cl->n_items] > max_blk) max_blk = cb[cl->n_items];                                              \
         n_off += cl->n_items + 1;                                                                              \
     }                                                                                                          \
+    /* int8 keys of the running call: its key blocks (chunk, kv head) in item order */                         \
+    uint32_t *k8buf = k8 ? ca_k8_buffer_##SUF((size_t)(max_blk > 0 ? max_blk : 1) * CA8_WORDS(d)) : NULL;      \
+    if (k8 && !k8buf) { free(task_off); return 0; }                                                            \
     int64_t *cum = ctr + n_calls, bg_ctr = 0; /* the background prefetch's numbering of every call's keys */   \
     cum[0] = 0;                                                                                                \
     for (int64_t c = 0; c < n_calls; c++) cum[c + 1] = cum[c] + calls[c].key_off[calls[c].n_items];            \
@@ -2135,6 +2264,17 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
         ca_bg_t bg = {calls, cum, n_calls, c, (int64_t)sizeof(T) * nkv * d, &bg_ctr};                          \
         /* the background prefetch runs in calls with more rows than items (keys shared by rows) */            \
         const ca_bg_t *bgp = c + 1 < n_calls && cl->row_off[cl->n_items] >= 2 * cl->n_items ? &bg : NULL;      \
+        const int64_t *cb = cb_all + base[c];                                                                  \
+        if (k8buf) { /* the call's keys to int8 once, read by all its tasks (the barrier of the omp for) */    \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (int64_t b = 0; b < cb[cl->n_items]; b += nkv) { /* a chunk's blocks, all its kv heads */      \
+                int64_t lo = 0, hi = cl->n_items - 1; /* the item of block b: cb[lo] <= b < cb[lo + 1] */      \
+                while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (cb[mid] <= b) lo = mid; else hi = mid - 1; } \
+                int64_t c0 = (b - cb[lo]) / nkv * BI_CHUNK, nk = cl->key_off[lo + 1] - cl->key_off[lo] - c0;   \
+                ca_quant_k8_##SUF(k_cache, cl->slots + cl->key_off[lo] + c0, nk < BI_CHUNK ? nk : BI_CHUNK, nkv * d, \
+                                  d, k8buf + b * CA8_WORDS(d));                                                \
+            }                                                                                                  \
+        }                                                                                                      \
         int64_t t = __atomic_fetch_add(ctr + c, 1, __ATOMIC_RELAXED), it = 0;                                  \
         while (t < ntasks) {                                                                                   \
             int64_t tn = __atomic_fetch_add(ctr + c, 1, __ATOMIC_RELAXED);                                     \
@@ -2160,7 +2300,8 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
             const int64_t *sl = cl->slots + cl->key_off[it];                                                   \
             if (dp) /* AVX-512 BF16: both products as pair chains (ca_task_pp_bf16) */                         \
                 ca_task_pp_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, cl->rows, cl->limits, e0, e1, kh, nh, nkv, d, \
-                                 scale, &st, &nx, out, (uint32_t *)kf, (uint32_t *)vf, acc, mx, sm, (uint32_t *)qf); \
+                                 scale, &st, &nx, out, (uint32_t *)kf, (uint32_t *)vf, acc, mx, sm, (uint32_t *)qf, \
+                                 k8buf ? k8buf + cb[it] * CA8_WORDS(d) : NULL);                                \
             else                                                                                               \
                 ca_task_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, cl->rows, cl->limits, e0, e1, kh, nh, nkv, d, \
                               scale, &st, &nx, out, kf, vf, qf, acc, mx, sm);                                  \
@@ -2190,10 +2331,10 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
 int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_items,        \
                      const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
-                     float *st_l, float *st_acc, int store, T *out) {                                          \
+                     float *st_l, float *st_acc, int store, T *out, int qk8) {                                 \
     ca_call_t call = {n_items, key_off, slots, row_off, rows, limits};                                         \
     return ca_run_##SUF(q, q_stride, k_cache, v_cache, &call, 1, nh, nkv, d, scale, st_m, st_l, st_acc, NULL, store, \
-                        out);                                                                                  \
+                        qk8, out);                                                                             \
 }                                                                                                              \
                                                                                                                \
 /* All of one layer's chunk_attn calls in one: desc [n_calls, 6] int64 per call (n_items, then the addresses of \
@@ -2204,7 +2345,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
  * d is too large, else 1. */                                                                                  \
 int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_calls,  \
                            const int64_t *desc, int64_t n_rows, int64_t nh, int64_t nkv, int64_t d, float scale, \
-                           T *out) {                                                                           \
+                           T *out, int qk8) {                                                                  \
     ca_call_t calls_small[8], *calls = n_calls <= 8 ? calls_small : (ca_call_t *)malloc(sizeof(ca_call_t) * (size_t)n_calls); \
     if (!calls || n_calls < 1) return calls != NULL;                                                           \
     for (int64_t c = 0; c < n_calls; c++) {                                                                    \
@@ -2221,7 +2362,7 @@ int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const
     }                                                                                                          \
     int ok = (n_calls == 1 || (st && has)) &&                                                                  \
              ca_run_##SUF(q, q_stride, k_cache, v_cache, calls, n_calls, nh, nkv, d, scale, st, st ? st + n_rows * nh : NULL, \
-                          st ? st + 2 * n_rows * nh : NULL, has, 0, out);                                      \
+                          st ? st + 2 * n_rows * nh : NULL, has, 0, qk8, out);                                 \
     free(st);                                                                                                  \
     free(has);                                                                                                 \
     if (calls != calls_small) free(calls);                                                                     \
@@ -2230,6 +2371,9 @@ int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const
 
 DEFINE_BI_KERNELS(f32, float)
 DEFINE_BI_KERNELS(bf16, uint16_t)
+
+/* 1 where chunk_attn_bf16 / chunk_attn_layer_bf16 take int8 scores when asked (qk8) for head dimension d */
+int chunk_attn_int8_scores(int64_t d) { return ca_k8_bf16(d); }
 
 /* ---- Ragged attention on AMX (bfloat16) ------------------------------------------------------------
  * Many query rows against shared key lists read straight from the KV pool: the shared segments of
@@ -3449,6 +3593,9 @@ DEFINE_W8A8(bf16, uint16_t)
 #ifndef W8_NV
 #define W8_NV 3  /* panels per register tile and per thread task */
 #endif
+#ifndef W8_ROW_BYTES
+#define W8_ROW_BYTES (256 * 1024) /* activation codes per row block of w8a8_gemm's tasks (within a core's L2) */
+#endif
 
 /* q int8 [n, k] -> wp [ceil(n / 16) * ceil(k / 4) * 64] (see above) */
 void w8a8_pack(const int8_t *q, int64_t n, int64_t k, uint8_t *wp) {
@@ -3591,21 +3738,27 @@ static inline float w8_quant_row_##SUF(const T *x, int64_t k, int64_t kq, int8_t
  * ldo apart); w8a8_linear's bits. Returns 0 if the activation buffers cannot be allocated, else 1. */         \
 int w8a8_gemm_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *wp, const float *scale,      \
                     int64_t n, const T *bias, T *out, int64_t ldo) {                                           \
-    int64_t kg = (k + 3) / 4, kq = 4 * kg, np = (n + W8_NP - 1) / W8_NP;                                       \
-    int8_t *xq = (int8_t *)malloc((size_t)(m * kq > 0 ? m * kq : 1));                                          \
-    float *sx = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));                                      \
-    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m > 0 ? m : 1));                                \
-    if (!xq || !sx || !xs) { free(xq); free(sx); free(xs); return 0; }                                         \
+    int64_t kg = (k + 3) / 4, kq = 4 * kg, np = (n + W8_NP - 1) / W8_NP, mm = m > 0 ? m : 1;                    \
+    float *sx = (float *)scratch(SCRATCH_W8A8, (size_t)mm * (8 + kq)); /* sx, xs, then the codes */           \
+    if (!sx) return 0;                                                                                         \
+    int32_t *xs = (int32_t *)(sx + mm);                                                                        \
+    int8_t *xq = (int8_t *)(xs + mm);                                                                          \
     _Pragma("omp parallel for if (m * k >= 8 * PAR_MIN_WORK)")                                                 \
     for (int64_t r = 0; r < m; r++) sx[r] = w8_quant_row_##SUF(x + r * ldx, k, kq, xq + r * kq, xs + r);     \
-    int64_t ntask = (np + W8_NV - 1) / W8_NV;                                                                  \
-    _Pragma("omp parallel for schedule(static) if (m * n * k >= PAR_MIN_WORK)")                                \
+    /* tasks (block of rows, W8_NV panels), row blocks outermost: a thread sweeps all columns of a block of     \
+     * W8_ROW_BYTES of codes, which stays in its L2, rather than streaming every row from L3 per panel run */  \
+    int64_t ntask = (np + W8_NV - 1) / W8_NV, nrb = (m * kq + W8_ROW_BYTES - 1) / W8_ROW_BYTES;                \
+    int64_t rb = (m + nrb - 1) / nrb; /* blocks of one size (up to W8_MR), so the threads' halves balance */   \
+    rb = (rb + W8_MR - 1) / W8_MR * W8_MR;                                                                     \
+    nrb = (m + rb - 1) / rb;                                                                                   \
+    _Pragma("omp parallel for collapse(2) schedule(static) if (m * n * k >= PAR_MIN_WORK)")                    \
+    for (int64_t b = 0; b < nrb; b++)                                                                          \
     for (int64_t t = 0; t < ntask; t++) {                                                                      \
-        int64_t p0 = t * W8_NV;                                                                                \
+        int64_t p0 = t * W8_NV, rend = (b + 1) * rb < m ? (b + 1) * rb : m;                                    \
         int NV = np - p0 < W8_NV ? (int)(np - p0) : W8_NV;                                                     \
         _Alignas(64) int32_t res[W8_MR * W8_NV * W8_NP];                                                       \
-        for (int64_t r0 = 0; r0 < m; r0 += W8_MR) {                                                            \
-            int R = m - r0 < W8_MR ? (int)(m - r0) : W8_MR;                                                    \
+        for (int64_t r0 = b * rb; r0 < rend; r0 += W8_MR) {                                                    \
+            int R = rend - r0 < W8_MR ? (int)(rend - r0) : W8_MR;                                              \
             w8_tile_any(xq + r0 * kq, kq, wp + p0 * kg * 64, kg, R, NV, res);                                  \
             for (int i = 0; i < R; i++) {                                                                      \
                 int32_t corr = 128 * xs[r0 + i];                                                               \
@@ -3624,9 +3777,6 @@ int w8a8_gemm_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t
             }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
-    free(xq);                                                                                                  \
-    free(sx);                                                                                                  \
-    free(xs);                                                                                                  \
     return 1;                                                                                                  \
 }
 

@@ -62,8 +62,8 @@ _SIGNATURES = {
 _SIGNATURES_INT = {
     "bi_linear_pack": [_P, _I, _I, _P],
     "bi_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I],
-    "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P],
-    "chunk_attn_layer": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P],
+    "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int],
+    "chunk_attn_layer": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, ctypes.c_int],
     # quantised weights (idleless.quant): x in the kernels' dtype, weights int8 or GGUF Q4_1
     "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
@@ -212,6 +212,8 @@ class CpuKernels:
         # w8a8_gemm on vpdpbusd (AVX512-VNNI in this build) rather than its scalar loops
         lib.w8a8_gemm_vnni.argtypes, lib.w8a8_gemm_vnni.restype = [], ctypes.c_int
         self.has_vnni = bool(lib.w8a8_gemm_vnni())
+        lib.chunk_attn_int8_scores.argtypes, lib.chunk_attn_int8_scores.restype = [_I], ctypes.c_int
+        self._chunk_attn_int8_scores = lib.chunk_attn_int8_scores
         # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
@@ -522,11 +524,17 @@ class CpuKernels:
             raise MemoryError("bi_linear: cannot allocate the row buffer")
         return out
 
+    def chunk_attn_int8_scores(self, head_dim: int) -> bool:
+        """Whether ``chunk_attn`` / ``chunk_attn_layer`` with ``int8_scores`` take q.k on int8 codes for this
+        head dimension: bfloat16 kernels on a CPU with AVX-512 BF16 and AVX512-VNNI (this build), head_dim
+        a multiple of 32. Elsewhere the flag is ignored (the scores of bf16 activations)."""
+        return self.dtype == torch.bfloat16 and bool(self._chunk_attn_int8_scores(head_dim))
+
     def chunk_attn(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_offsets: torch.Tensor,
                    slots: torch.Tensor, row_offsets: torch.Tensor, rows: torch.Tensor,
                    limits: Optional[torch.Tensor], scale: float, out: Optional[torch.Tensor],
                    state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                   store: bool = False) -> None:
+                   store: bool = False, int8_scores: bool = False) -> None:
         """Attention with one reduction order per query row (see the section comments in cpu_kernels.c; in
         bfloat16 on AVX-512 BF16 CPUs, with D a multiple of 32, q.k is a VDPBF16PS chain over the pairs).
         Item i: keys slots[key_offsets[i]:key_offsets[i+1]] of k_cache / v_cache [num_slots, Hkv, D],
@@ -536,6 +544,9 @@ class CpuKernels:
         acc [*, H, D]) float32, contiguous: each row's running softmax state is read from it (else it
         starts empty); store True writes it back there instead of writing out [*, H, D] (the kernels'
         dtype) = acc / l. Rows must be distinct across items. Index tensors int64, contiguous.
+        int8_scores (W8A8's attention, where ``chunk_attn_int8_scores(D)``): each q row per head and each key
+        per kv head quantised to int8 as ``idleless.quant.formats.quantize_rows``, score =
+        (float(exact int dot) * s_k) * (s_q * scale) (SageAttention, arXiv 2410.02367), the rest as above.
         Raises ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
         self._check(q, k_cache, v_cache)
         _, H, D = q.shape
@@ -556,7 +567,8 @@ class CpuKernels:
         st = state if state is not None else (None, None, None)
         if not self._chunk_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
                                 key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
-                                _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out)):
+                                _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out),
+                                int(int8_scores)):
             raise MemoryError("chunk_attn: cannot allocate its buffers")
 
     def chunk_attn_desc(self, calls) -> torch.Tensor:
@@ -576,15 +588,15 @@ class CpuKernels:
         return torch.tensor(rows, dtype=torch.int64)
 
     def chunk_attn_layer(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, calls, scale: float,
-                         out: torch.Tensor, desc: Optional[torch.Tensor] = None) -> None:
+                         out: torch.Tensor, desc: Optional[torch.Tensor] = None, int8_scores: bool = False) -> None:
         """A layer's ``chunk_attn`` calls in one kernel call: calls (see ``chunk_attn_desc``) in fold order, the
         shared segments, then the tails; every call but the last continues its rows' softmax state (kept by the
         kernel: a row starts empty where no earlier call had it), the last writes out [T, H, D] (the kernels'
         dtype, contiguous) for its rows. q [T, H, D] (heads contiguous, rows may be strided), caches
         [num_slots, Hkv, D] contiguous, rows < T, D <= 256. The bits of ``chunk_attn`` called per call with a state
         filled with (-inf, 0, 0) (``ChunkedAttention.forward``'s sequence). desc: ``chunk_attn_desc(calls)``,
-        made once and reused (else made here). Raises ValueError on a layout mismatch, MemoryError when buffers
-        cannot be allocated."""
+        made once and reused (else made here); int8_scores as ``chunk_attn``'s. Raises ValueError on a layout
+        mismatch, MemoryError when buffers cannot be allocated."""
         self._check(q, k_cache, v_cache)
         T, H, D = q.shape
         Hkv = k_cache.shape[1]
@@ -595,7 +607,7 @@ class CpuKernels:
         if desc is None:
             desc = self.chunk_attn_desc(calls)
         if not self._chunk_attn_layer(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), desc.shape[0],
-                                      desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr()):
+                                      desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(), int(int8_scores)):
             raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
 
     # ---- batch-invariant Q4_1 x bfloat16 on AVX-512 BF16 (H3; see the section comment in cpu_kernels.c) ----

@@ -213,14 +213,14 @@ class DecodeGraph:
         q_ptr = v.qkv_ptr
         k_ptr, v_ptr = q_ptr + self.q_size * esize, q_ptr + (self.q_size + self.kv_size) * esize
         k_layers, v_layers = backend._k_layers, backend._v_layers
-        kv_write, layer_attn, scale = self._kv_write, self.kernels._chunk_attn_layer, part.scale
+        kv_write, layer_attn, scale, int8 = self._kv_write, self.kernels._chunk_attn_layer, part.scale, int(part.int8_scores)
         loc_ptr, desc_ptr, n_calls = loc.data_ptr(), desc.data_ptr(), desc.shape[0]
 
         def attend(i: int) -> torch.Tensor:
             kc, vc = k_layers[i].data_ptr(), v_layers[i].data_ptr()
             kv_write(kc, k_ptr, w, loc_ptr, t, kv_size)
             kv_write(vc, v_ptr, w, loc_ptr, t, kv_size)
-            if not layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr):
+            if not layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr, int8):
                 raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
             return v.attn
         attend.keep = (loc, idx, desc)  # alive while the closure is

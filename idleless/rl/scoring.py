@@ -65,7 +65,8 @@ class SequenceScorer:
         pool = KVPool(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, slot, r.dtype, r.config.device, page)
         backend = CompositeAttention(pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                      getattr(mc, "sliding_window", None), r.kernels,
-                                     deterministic=r.deterministic)
+                                     deterministic=r.deterministic,
+                                     int8_scores=r.config.activation_dtype == "int8")
         meta = backend.prepare(ext, [0] * len(ext), tables)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in ext])
         h = r.model.hidden_states(torch.tensor(ids, dtype=torch.int64), positions, backend, meta, torch.cat(tables),

@@ -1,0 +1,152 @@
+"""W8A8's attention (``--activation-dtype int8``): q.k on int8 codes in ``chunk_attn`` (SageAttention,
+arXiv 2410.02367), where the kernels take them (AVX-512 BF16 + VNNI, head_dim a multiple of 32).
+
+Against a float64 reference built from ``idleless.quant.formats.quantize_rows`` (the codes and scales the
+kernel must use: q per row and head, k per key and kv head), softmax and P.V in float64; the float-score
+kernel is far from that reference (the flag acts). A row's bits are those of the row alone, as a decode row,
+split between a shared segment and its tail, and inside ``chunk_attn_layer``; an engine with int8 weights and
+activations gives one request the same tokens and logprob bits alone, from the prefix cache, beside others
+and with chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from idleless.config import EngineConfig
+from idleless.engine.core import EngineCore
+from idleless.engine.request import Request
+from idleless.model import cpu_kernels
+from idleless.model.attention.base import AttnWork, Tails
+from idleless.model.attention.invariant import ChunkedAttention
+from idleless.quant.formats import quantize_rows
+
+from conftest import TEST_THREADS, make_tiny_model
+from test_deterministic import GREEDY, PROMPT, _drive, _others
+
+I64 = torch.int64
+
+
+def _kernels(d: int):
+    k = cpu_kernels.load(torch.bfloat16)
+    if k is None:
+        pytest.skip("no C compiler: the fused kernels are off")
+    if not k.chunk_attn_int8_scores(d):
+        pytest.skip("this CPU / build has no int8 scores in chunk_attn (AVX-512 BF16 + VNNI)")
+    return k
+
+
+def _ref(q, K, V, limits, scale, int8: bool):
+    """float64 attention, row r seeing K[:limits[r]]; int8: scores of quantize_rows' codes and scales.
+    q [R, H, D], K/V [L, Hkv, D] bf16."""
+    grp = q.shape[1] // K.shape[1]
+    if int8:
+        qc, sq = quantize_rows(q, torch.int8)
+        kc, sk = quantize_rows(K, torch.int8)
+        s = torch.einsum("rhd,khd->rhk", qc.double(), kc.double().repeat_interleave(grp, 1))
+        s = s * sk.double().repeat_interleave(grp, 1).T[None] * sq.double()[..., None] * scale
+    else:
+        s = torch.einsum("rhd,khd->rhk", q.double(), K.double().repeat_interleave(grp, 1)) * scale
+    mask = torch.arange(K.shape[0])[None, :] < torch.as_tensor(limits)[:, None]
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("rhk,khd->rhd", s.softmax(-1), V.double().repeat_interleave(grp, 1))
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 2, 32), (4, 4, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_scores_match_float64_of_the_quantised_scores(H, Hkv, D, threads):
+    kern = _kernels(D)
+    g = torch.Generator().manual_seed(H * D)
+    S, L = 700, 300
+    kc = torch.randn(S, Hkv, D, generator=g).bfloat16()
+    vc = torch.randn(S, Hkv, D, generator=g).bfloat16()
+    slots = torch.randperm(S, generator=g)[:L]
+    q = (torch.randn(L, H, D, generator=g) * 2).bfloat16()
+    limits = torch.arange(1, L + 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = {}
+        for int8 in (True, False):
+            got[int8] = torch.empty(L, H, D, dtype=torch.bfloat16)
+            kern.chunk_attn(q, kc, vc, torch.tensor([0, L]), slots, torch.tensor([0, L]), torch.arange(L), limits,
+                            D ** -0.5, got[int8], None, False, int8)
+    finally:
+        torch.set_num_threads(before)
+    ref = _ref(q, kc[slots], vc[slots], limits, D ** -0.5, True)
+    err8 = (got[True].double() - ref).abs().max().item()
+    err_float = (got[False].double() - ref).abs().max().item()
+    assert err8 < 2e-2
+    assert err_float > 3 * err8, "the float scores should be far from the int8 reference: is the flag ignored?"
+
+
+def test_int8_score_rows_fold_alike_alone_split_and_in_one_layer_call():
+    """Row 150 of a causal prefill: alone as a decode row, with its first 128 keys as a shared segment, and
+    through ``chunk_attn_layer`` (segment + tail) — the same bits; a NaN query row changes no other row."""
+    H, Hkv, D, S, L = 9, 3, 64, 600, 200
+    kern = _kernels(D)
+    g = torch.Generator().manual_seed(5)
+    kc, vc = torch.randn(S, Hkv, D, generator=g).bfloat16(), torch.randn(S, Hkv, D, generator=g).bfloat16()
+    slots = torch.randperm(S, generator=g)[:L]
+    q = torch.randn(L, H, D, generator=g).bfloat16()
+    be = ChunkedAttention(kern, H, D, int8_scores=True)
+    assert be.int8_scores
+    full = be.forward(q, kc, vc, 0, be.prepare(AttnWork(Tails([0], [L], [0], [slots]))), None, None)
+    one = be.forward(q[150:151], kc, vc, 0, be.prepare(AttnWork(Tails([0], [1], [150], [slots[:151]]))), None, None)
+    assert torch.equal(one[0], full[150])
+    qq = torch.stack([q[150], q[150]])
+    work = AttnWork(Tails([0, 1], [1, 1], [22, 22], [slots[128:151], slots[128:151]]),
+                    [(torch.tensor([0, 1]), slots[:128])])
+    two = be.forward(qq, kc, vc, 0, be.prepare(work), None, None)  # the one-call path (chunk_attn_layer)
+    assert torch.equal(two[0], full[150]) and torch.equal(two[1], full[150])
+    be._one_call = False  # per call through a state (chunk_attn with store)
+    two = be.forward(qq, kc, vc, 0, be.prepare(work), None, None)
+    assert torch.equal(two[0], full[150]) and torch.equal(two[1], full[150])
+    bad = q.clone()
+    bad[7, 2, 5] = float("nan")
+    again = be.forward(bad, kc, vc, 0, be.prepare(AttnWork(Tails([0], [L], [0], [slots]))), None, None)
+    keep = torch.ones(L, dtype=torch.bool)
+    keep[7] = False
+    assert torch.equal(again[keep], full[keep])
+
+
+def test_the_flag_is_off_where_not_asked_and_on_the_torch_twin():
+    kern = _kernels(64)
+    assert not ChunkedAttention(kern, 9, 64).int8_scores
+    assert not ChunkedAttention(kern, 6, 48, int8_scores=True).int8_scores  # head_dim not a multiple of 32
+    f32 = cpu_kernels.load(torch.float32)
+    assert not ChunkedAttention(f32, 9, 64, int8_scores=True).int8_scores
+
+
+@pytest.fixture(scope="module")
+def w8a8_model(tmp_path_factory) -> str:
+    """SmolLM2's head shape (head_dim 64, 3 query heads per KV head) in a tiny model."""
+    return make_tiny_model(tmp_path_factory.mktemp("w8a8"), max_position_embeddings=1024, hidden_size=96,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=64, intermediate_size=160)
+
+
+def _core(model, **kw) -> EngineCore:
+    cfg = dict(model=model, dtype="bfloat16", kv_cache_memory="64MiB", num_threads=TEST_THREADS,
+               enable_deterministic_inference=True, weight_dtype="int8", activation_dtype="int8",
+               skip_quantization_gate=True)
+    cfg.update(kw)
+    return EngineCore(EngineConfig(**cfg))
+
+
+def test_w8a8_engine_gives_one_answer_alone_cached_beside_others_and_chunked(w8a8_model):
+    _kernels(64)
+    core = _core(w8a8_model)
+    assert core.runner.backend.extend_backend.int8_scores
+    ref = _drive(core, [Request("p", PROMPT, GREEDY)])["p"]
+    assert len(ref[0]) == 24
+    assert _drive(core, [Request("p2", PROMPT, GREEDY)])["p2"] == ref  # its whole prompt is cached now
+    others = _others()
+    out = _drive(core, others[:7] + [Request("p3", PROMPT, GREEDY)] + others[7:])
+    assert out["p3"] == ref
+    core = _core(w8a8_model, chunked_prefill_size=64, page_size=16)
+    assert _drive(core, _others()[:5] + [Request("p", PROMPT, GREEDY)])["p"] == ref
+    # and the int8 scores are in those bits: the same engine with float scores answers otherwise
+    core = _core(w8a8_model)
+    core.runner.backend.extend_backend.int8_scores = False  # the one backend of every part when deterministic
+    plain = _drive(core, [Request("p", PROMPT, GREEDY)])["p"]
+    assert plain[1] != ref[1]
