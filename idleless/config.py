@@ -169,8 +169,8 @@ class EngineConfig:
                                "at load from float checkpoints")
     activation_dtype: str = option("bf16", "bf16 (the model dtype) | int8 (dynamic: per token with int8 weights, "
                                    "W8A8; per block of 32 with int4 or native GGUF Q4_1 weights, W4A8; and the "
-                                   "deterministic attention's q.k on int8 codes per token and head where the CPU "
-                                   "has AVX-512 BF16 + VNNI)")
+                                   "deterministic attention's q.k and P.V on int8 codes where the CPU has "
+                                   "AVX-512 BF16 + VNNI)")
     kv_cache_dtype: str = option("auto", "auto (the model dtype) | bf16 | fp8_e4m3 | fp8_e5m2 (a static scale per "
                                  "layer and KV head: calibrated at start-up on a built-in text, or "
                                  "--quantization-param-path; exactly twice bf16's tokens) | int8 (a scale per "

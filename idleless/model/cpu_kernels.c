@@ -798,9 +798,12 @@ DEFINE_KERNELS(bf16, uint16_t)
 #define BI_CHUNK 64    /* keys per softmax chunk of chunk_attn */
 #define BI_ATT_ROWS 16 /* query rows per thread task of chunk_attn (they share each gathered chunk) */
 #define BI_MAX_D 256   /* largest head dimension chunk_attn takes */
-/* words of one (chunk, kv head) block of chunk_attn's int8 keys: codes [d / 4][BI_CHUNK] (word g of key j: its
- * codes 4g..4g+3), then BI_CHUNK scales s_k (float32), then BI_CHUNK values 128 x (sum of the key's codes) */
-#define CA8_WORDS(d) ((d) / 4 * BI_CHUNK + 2 * BI_CHUNK)
+/* words of one (chunk, kv head) block of chunk_attn's int8 keys and values: K codes [d / 4][BI_CHUNK] (word g of
+ * key j: its codes 4g..4g+3), BI_CHUNK scales s_k (float32), BI_CHUNK values 128 x (sum of the key's codes)
+ * (int32); from CA8_V(d) on, V codes [BI_CHUNK / 4][d] (word i of quad jq: element i of values 4jq..4jq+3),
+ * then BI_CHUNK scales s_v (float32) */
+#define CA8_V(d) ((d) / 4 * BI_CHUNK + 2 * BI_CHUNK)
+#define CA8_WORDS(d) (CA8_V(d) + BI_CHUNK / 4 * (d) + BI_CHUNK)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1170,8 +1173,8 @@ static inline void ca_prefetch_item(const void *k_cache, const void *v_cache, co
     static inline int ca_dp_##sfx(int64_t d) { return 0; } \
     static inline int ca_k8_##sfx(int64_t d) { return 0; } \
     static inline uint32_t *ca_k8_buffer_##sfx(size_t words) { return NULL; } \
-    static inline void ca_quant_k8_##sfx(const T *k_cache, const int64_t *sl, int64_t n, int64_t tok, int64_t d, \
-        uint32_t *blk) {} \
+    static inline void ca_quant_kv8_##sfx(const T *k_cache, const T *v_cache, const int64_t *sl, int64_t n, \
+        int64_t tok, int64_t d, uint32_t *blk) {} \
     static inline void ca_task_pp_##sfx(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
         const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0, int64_t e1, \
         int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, const ca_state_t *st, const ca_next_t *nx, \
@@ -1304,15 +1307,19 @@ static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb,
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + n * d + i0 + 16 * c, A[n][c]);
 }
-/* ---- int8 scores (--activation-dtype int8; SageAttention's QK^T, Zhang et al., arXiv 2410.02367) ----
- * Under W8A8 the scores q.k are taken on int8 codes: q per (row, head) and k per (key, kv head) quantised as
- * w8a8_linear's activations (idleless.quant.formats.quantize_rows: s = max|x| / 127, codes rint(x / s) clamped
- * to +-127), the dot product exact in int32 by VPDPBUSD on (q codes + 128) and k codes, less 128 x the key's
- * code sum: score_j = (float(dot_j) * s_kj) * (s_q * scale), then the softmax and P.V of ca_row_pp_n as for
- * bf16 scores. The codes and scales are functions of one row or one key, so a row's bits stay independent of
- * its batch, task and call (the keys are quantised once per call, ca_quant_k8, read by all its tasks). Half
- * the score instructions of the pair chains. Only here (AVX-512 BF16 + VNNI, d a multiple of 32); elsewhere
- * the scores stay those of bf16 activations. */
+/* ---- int8 attention (--activation-dtype int8; SageAttention's QK^T, Zhang et al., arXiv 2410.02367) ----
+ * Under W8A8 the scores q.k are taken on int8 codes: q per (row, head) and k per (key, kv head) quantised
+ * symmetrically (s = max|x| / 127, codes rint(x * (127 / max|x|)) clamped to +-127: ca_q8_row), the dot
+ * product exact in int32 by VPDPBUSD on (q codes + 128) and k codes, less 128 x the key's code sum: score_j = (float(dot_j) * s_kj) * (s_q * scale), then the softmax as for bf16 scores. P.V on int8
+ * too: v per (key, kv head) quantised alike (s_v), w_j = p_j * s_vj for the chunk's keys, codes
+ * u_j = rint(w_j * (255 / max_j w_j)) clamped to [0, 255] (0 past the live keys), the chunk's product
+ * float(sum_j u_j v_j[i]) (exact in int32, VPDPBUSD over key quads) times max w / 255, added to acc[i] a by
+ * one FMA; l sums the float p_j. (SageAttention keeps P.V in 16 bits for long sequences; here each chunk of
+ * 64 keys has its own scale, and the bundled model's KL to bf16 did not move: benchmarks/README.md.) The
+ * codes and scales are functions of one row, one key or one (row, chunk), so a row's bits stay independent
+ * of its batch, task and call (K and V quantised once per call, ca_quant_kv8, read by all its tasks). Half
+ * the instructions of both pair chains. Only here (AVX-512 BF16 + VNNI, d a multiple of 32); elsewhere
+ * attention stays that of bf16 activations. */
 #if defined(__AVX512VNNI__)
 static inline int ca_k8_bf16(int64_t d) { return ca_dp_bf16(d); }
 #else
@@ -1320,30 +1327,84 @@ static inline int ca_k8_bf16(int64_t d) { return 0; }
 #endif
 /* a call's int8 keys (a decode step's too: kept from call to call) */
 static inline uint32_t *ca_k8_buffer_bf16(size_t words) { return (uint32_t *)scratch(SCRATCH_K8, 4 * words); }
-static inline float w8_quant_row_bf16(const uint16_t *x, int64_t k, int64_t kq, int8_t *q, int32_t *xsum);
-/* n <= BI_CHUNK keys (token rows sl[j] of k_cache, tok = nkv * d elements each) -> the blocks of their nkv
- * heads, blk + kh * CA8_WORDS(d) (keys from n on: codes, scale and sum 0). A decode row's keys are read
- * here first, at scattered slots: the token rows CA_K8_AHEAD keys on are prefetched */
+/* one head's d bf16 values (d a multiple of 32) -> codes c[i] = rint(x[i] * (127 / amax)) clamped to +-127
+ * (amax = max |x|; the reciprocal once, then products: the attention's own quantiser, cheaper per key than
+ * quantize_rows' division), *sum = the codes' sum; returns the scale amax / 127. amax 0, inf or NaN: codes 0
+ * (the scale carries inf / NaN into the scores) */
+static inline float ca_q8_row(const uint16_t *x, int64_t d, int8_t *c, int32_t *sum) {
+    __m512 v[BI_MAX_D / 16], m = _mm512_setzero_ps();
+    const __m512i ab = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t i = 0; i < d / 16; i++) {
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * i))), 16));
+        m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[i]), ab)));
+    }
+    float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f;
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = 0; i < d / 16; i++) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+        q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        acc = _mm512_add_epi32(acc, q);
+        _mm_storeu_si128((__m128i *)(c + 16 * i), _mm512_cvtepi32_epi8(q));
+    }
+    *sum = _mm512_reduce_add_epi32(acc);
+    return amax / 127.f;
+}
+/* n <= BI_CHUNK keys (token rows sl[j] of k_cache / v_cache, tok = nkv * d elements each) -> the blocks of
+ * their nkv heads, blk + kh * CA8_WORDS(d) (keys from n on: codes, scales and sums 0). A decode row's keys
+ * are read here first, at scattered slots: the token rows CA_K8_AHEAD keys on are prefetched */
 #define CA_K8_AHEAD 6
-static void ca_quant_k8_bf16(const uint16_t *k_cache, const int64_t *sl, int64_t n, int64_t tok, int64_t d,
-                             uint32_t *blk) {
+/* four values' codes c[0..3] (d bytes each, d a multiple of 32) -> the quad's V words o[i] = (c0[i], c1[i],
+ * c2[i], c3[i]) for i < d: bytes then 16-bit pairs interleaved within 128-bit lanes, then a 4 x 4 transpose of
+ * the lanes puts the words in order */
+static inline void ca_v8_quad(const int8_t (*c)[BI_MAX_D], int64_t d, uint32_t *o) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        __m512i r0 = _mm512_loadu_si512(c[0] + i), r1 = _mm512_loadu_si512(c[1] + i);
+        __m512i r2 = _mm512_loadu_si512(c[2] + i), r3 = _mm512_loadu_si512(c[3] + i);
+        __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+        __m512i e = _mm512_unpacklo_epi8(r2, r3), f = _mm512_unpackhi_epi8(r2, r3);
+        __m512i w0 = _mm512_unpacklo_epi16(a, e), w1 = _mm512_unpackhi_epi16(a, e); /* lane L: 16L + 0..3, 4..7 */
+        __m512i w2 = _mm512_unpacklo_epi16(b, f), w3 = _mm512_unpackhi_epi16(b, f); /* 16L + 8..11, 12..15 */
+        __m512i t0 = _mm512_shuffle_i32x4(w0, w1, 0x44), t1 = _mm512_shuffle_i32x4(w2, w3, 0x44);
+        __m512i t2 = _mm512_shuffle_i32x4(w0, w1, 0xee), t3 = _mm512_shuffle_i32x4(w2, w3, 0xee);
+        _mm512_storeu_si512(o + i, _mm512_shuffle_i32x4(t0, t1, 0x88));
+        _mm512_storeu_si512(o + i + 16, _mm512_shuffle_i32x4(t0, t1, 0xdd));
+        _mm512_storeu_si512(o + i + 32, _mm512_shuffle_i32x4(t2, t3, 0x88));
+        _mm512_storeu_si512(o + i + 48, _mm512_shuffle_i32x4(t2, t3, 0xdd));
+    }
+    for (; i < d; i++)
+        o[i] = (uint32_t)(uint8_t)c[0][i] | (uint32_t)(uint8_t)c[1][i] << 8 | (uint32_t)(uint8_t)c[2][i] << 16 |
+               (uint32_t)(uint8_t)c[3][i] << 24;
+}
+static void ca_quant_kv8_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
+                              int64_t tok, int64_t d, uint32_t *blk) {
     int64_t nkv = tok / d, w = CA8_WORDS(d);
-    int8_t codes[BI_MAX_D];
+    int8_t codes[BI_MAX_D], vc[4][BI_MAX_D];
     for (int64_t j = 0; j < n && j < CA_K8_AHEAD; j++)
-        for (int64_t b = 0; b < 2 * tok; b += 64) __builtin_prefetch((const char *)(k_cache + sl[j] * tok) + b);
-    for (int64_t j = 0; j < BI_CHUNK; j++) {
-        if (j + CA_K8_AHEAD < n)
-            for (int64_t b = 0; b < 2 * tok; b += 64)
-                __builtin_prefetch((const char *)(k_cache + sl[j + CA_K8_AHEAD] * tok) + b);
+        for (int64_t b = 0; b < 2 * tok; b += 64) {
+            __builtin_prefetch((const char *)(k_cache + sl[j] * tok) + b);
+            __builtin_prefetch((const char *)(v_cache + sl[j] * tok) + b);
+        }
+    for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 4) { /* a quad of keys, all their kv heads */
+        for (int64_t j = j0 + CA_K8_AHEAD; j < j0 + 4 + CA_K8_AHEAD && j < n; j++)
+            for (int64_t b = 0; b < 2 * tok; b += 64) {
+                __builtin_prefetch((const char *)(k_cache + sl[j] * tok) + b);
+                __builtin_prefetch((const char *)(v_cache + sl[j] * tok) + b);
+            }
         for (int64_t kh = 0; kh < nkv; kh++) {
             uint32_t *bk = blk + kh * w;
-            float *sk = (float *)(bk + d / 4 * BI_CHUNK);
+            float *sk = (float *)(bk + d / 4 * BI_CHUNK), *sv = (float *)(bk + CA8_V(d) + BI_CHUNK / 4 * d);
             int32_t *kc = (int32_t *)(sk + BI_CHUNK);
-            int32_t sum = 0;
-            if (j < n) sk[j] = w8_quant_row_bf16(k_cache + sl[j] * tok + kh * d, d, d, codes, &sum);
-            else { sk[j] = 0.f; memset(codes, 0, (size_t)d); }
-            kc[j] = 128 * sum;
-            for (int64_t g = 0; g < d / 4; g++) memcpy(bk + g * BI_CHUNK + j, codes + 4 * g, 4);
+            for (int64_t j = j0; j < j0 + 4; j++) {
+                int32_t sum = 0;
+                if (j < n) sk[j] = ca_q8_row(k_cache + sl[j] * tok + kh * d, d, codes, &sum);
+                else { sk[j] = 0.f; memset(codes, 0, (size_t)d); }
+                kc[j] = 128 * sum;
+                for (int64_t g = 0; g < d / 4; g++) memcpy(bk + g * BI_CHUNK + j, codes + 4 * g, 4);
+                if (j < n) sv[j] = ca_q8_row(v_cache + sl[j] * tok + kh * d, d, vc[j - j0], &sum);
+                else { sv[j] = 0.f; memset(vc[j - j0], 0, (size_t)d); }
+            }
+            ca_v8_quad((const int8_t (*)[BI_MAX_D])vc, d, bk + CA8_V(d) + j0 / 4 * d);
         }
     }
 }
@@ -1357,7 +1418,7 @@ static inline __m512i ca_dpbusd(__m512i acc, __m512i a, __m512i b) {
 static inline float ca_quant_q8(const uint16_t *q, int64_t d, uint32_t *q8) {
     int8_t codes[BI_MAX_D];
     int32_t sum;
-    float s = w8_quant_row_bf16(q, d, d, codes, &sum);
+    float s = ca_q8_row(q, d, codes, &sum);
     for (int64_t g = 0; g < d / 4; g++) {
         uint32_t w;
         memcpy(&w, codes + 4 * g, 4);
@@ -1365,11 +1426,39 @@ static inline float ca_quant_q8(const uint16_t *q, int64_t d, uint32_t *q8) {
     }
     return s;
 }
+#if defined(__AVX512VNNI__)
+/* acc[n][i0 + 16 c] (c < nv) of nq heads = fma(float(sum over the nq4 key quads of u . v), ws[n], acc a[n]): pu
+ * [nq][BI_CHUNK / 4] words of probability codes, vb the chunk's V codes (CA8_V) */
+static inline __attribute__((always_inline)) void ca_pv8_n(const uint32_t *pu, const uint32_t *vb, int64_t nq4,
+                                                           int64_t d, int64_t i0, const float *a, const float *ws,
+                                                           float *acc, const int nq, const int nv) {
+    __m512i I[CA_NQ][4];
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) I[n][c] = _mm512_setzero_si512();
+    for (int64_t jq = 0; jq < nq4; jq++) {
+        __m512i v[4];
+        for (int c = 0; c < nv; c++) {
+            v[c] = _mm512_loadu_si512(vb + jq * d + i0 + 16 * c);
+            __asm__("" : "+v"(v[c]));
+        }
+        for (int n = 0; n < nq; n++) {
+            __m512i pv = _mm512_set1_epi32((int)pu[n * (BI_CHUNK / 4) + jq]);
+            for (int c = 0; c < nv; c++) I[n][c] = ca_dpbusd(I[n][c], pv, v[c]);
+        }
+    }
+    for (int n = 0; n < nq; n++)
+        for (int c = 0; c < nv; c++) {
+            float *p = acc + n * d + i0 + 16 * c;
+            _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[n][c]), _mm512_set1_ps(ws[n]),
+                                                _mm512_mul_ps(_mm512_loadu_ps(p), _mm512_set1_ps(a[n]))));
+        }
+}
+#endif
 /* nq heads of one row (q: its first, heads d apart) fold one chunk (kp / vp, nn live keys) into their state
  * mx / sm / acc (acc: nq x d); pb: nq x BI_CHUNK / 2 words of scratch. nb = ceil(nn / 16): the 16-key blocks
  * with a live key, the only ones whose scores are computed (a function of the row's own nn, so its bits are
- * the same in any task). k8 not NULL: int8 scores (ca_quant_k8's block of this chunk; q8: the nq heads' codes
- * + 128 as d / 4 words each, qs: their sq * scale), kp unused */
+ * the same in any task). k8 not NULL: int8 attention (ca_quant_kv8's block of this chunk; q8: the nq heads'
+ * codes + 128 as d / 4 words each, qs: their sq * scale; pb then holds the probability codes), kp / vp unused */
 static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
                                                               const uint32_t *vp, int64_t nn, float scale, float *mx,
                                                               float *sm, float *acc, uint32_t *pb, const uint32_t *k8,
@@ -1425,7 +1514,7 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
     }
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
-    float a[CA_NQ];
+    float a[CA_NQ], ws[CA_NQ];
     for (int n = 0; n < nq; n++) {
         __m512 x[4], vsn = k8 ? _mm512_set1_ps(qs[n]) : vs;
         for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vsn);
@@ -1436,6 +1525,26 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
         __m512 vm = _mm512_set1_ps(mn);
         __m512 e[4];
         for (int c = 0; c < 4; c++) e[c] = _mm512_maskz_mov_ps(live[c], ca_exp16(_mm512_sub_ps(x[c], vm)));
+#if defined(__AVX512VNNI__)
+        if (k8) { /* P.V on int8 (the section comment of ca_quant_kv8_bf16): codes u_j of w_j = p_j s_vj */
+            const float *sv = (const float *)(k8 + CA8_V(d) + BI_CHUNK / 4 * d);
+            __m512 w[4];
+            for (int c = 0; c < 4; c++) w[c] = _mm512_mul_ps(e[c], _mm512_loadu_ps(sv + 16 * c));
+            float wm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(w[0], w[1]), _mm512_max_ps(w[2], w[3])));
+            float inv = wm > 0.f && wm < INFINITY ? 255.f / wm : 0.f;
+            ws[n] = wm / 255.f;
+            for (int c = 0; c < 4; c++) {
+                __m512i u = _mm512_cvtps_epi32(_mm512_mul_ps(w[c], _mm512_set1_ps(inv)));
+                u = _mm512_max_epi32(_mm512_min_epi32(u, _mm512_set1_epi32(255)), _mm512_setzero_si512());
+                _mm_storeu_si128((__m128i *)(pb + n * (BI_CHUNK / 4) + 4 * c), _mm512_cvtepi32_epi8(u));
+            }
+            float lc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+            float la = sm[n] * a[n];
+            sm[n] = la + lc;
+            mx[n] = mn;
+            continue;
+        }
+#endif
         __m512i w0 = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]), w1 = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
         _mm512_storeu_si512(pb + n * (BI_CHUNK / 2), w0);
         _mm512_storeu_si512(pb + n * (BI_CHUNK / 2) + 16, w1);
@@ -1450,6 +1559,15 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
     }
     int64_t np = (nn + 1) / 2, i0 = 0;
     int odd = (int)(nn & 1);
+#if defined(__AVX512VNNI__)
+    if (k8) {
+        const uint32_t *vb = k8 + CA8_V(d);
+        int64_t nq4 = (nn + 3) / 4;
+        for (; i0 + 64 <= d; i0 += 64) ca_pv8_n(pb, vb, nq4, d, i0, a, ws, acc, nq, 4);
+        for (; i0 < d; i0 += 32) ca_pv8_n(pb, vb, nq4, d, i0, a, ws, acc, nq, 2);
+        return;
+    }
+#endif
     for (; i0 + 64 <= d; i0 += 64) ca_pv_pp_n(pb, vp, np, odd, d, i0, a, acc, nq, 4);
     for (; i0 < d; i0 += 32) ca_pv_pp_n(pb, vp, np, odd, d, i0, a, acc, nq, 2);
 }
@@ -1476,8 +1594,8 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
                             const ca_state_t *st, const ca_next_t *nx, uint16_t *out, uint32_t *kp, uint32_t *vp,
                             float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8) {
     int64_t grp = nh / nkv, maxlim = 0;
-    /* int8 scores: the rows' query codes + 128 (d / 4 words per head) and sq * scale, after pb's CA_NQ x
-     * BI_CHUNK / 2 words (the thread's pb buffer holds BI_ATT_ROWS x grp x d words) */
+    /* int8 attention: the rows' query codes + 128 (d / 4 words per head) and sq * scale, after pb's CA_NQ
+     * x BI_CHUNK / 2 words (the thread's pb buffer holds BI_ATT_ROWS x grp x d words) */
     uint32_t *q8 = pb + CA_NQ * BI_CHUNK / 2;
     float *qs = (float *)(q8 + BI_ATT_ROWS * grp * (d / 4));
     for (int64_t e = e0; e < e1; e++) {
@@ -1496,7 +1614,7 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
     for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {
         int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;
         const uint32_t *kb = k8 ? k8 + (c0 / BI_CHUNK * nkv + kh) * CA8_WORDS(d) : NULL;
-        ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kb ? NULL : kp, vp);
+        if (!kb) ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kp, vp);
         if (c1 < maxlim)
             ca_prefetch(k_cache, v_cache, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK), 2 * nkv * d,
                         2 * kh * d, 2 * d);
@@ -2214,10 +2332,10 @@ static void ca_task_##SUF(const T *q, int64_t q_stride, const T *k_cache, const 
  * allocated or d is too large, else 1. */                                                                     \
 static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const ca_call_t *calls, \
                         int64_t n_calls, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, \
-                        float *st_acc, uint8_t *has, int store_last, int qk8, T *out) {                        \
+                        float *st_acc, uint8_t *has, int store_last, int a8, T *out) {                        \
     int64_t grp = nh / nkv, n_off = 0, work = 0, max_blk = 0;                                                  \
     const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
-    const int k8 = dp && qk8 && ca_k8_##SUF(d); /* int8 scores (ca_quant_k8_bf16's section comment) */         \
+    const int k8 = dp && a8 && ca_k8_##SUF(d); /* int8 attention (ca_quant_kv8_bf16's section comment) */    \
     if (d > BI_MAX_D) return 0;                                                                                \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
     /* per call: task_off (first task of each item), then with k8 cb (first key block of each item) */         \
@@ -2271,8 +2389,8 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
                 int64_t lo = 0, hi = cl->n_items - 1; /* the item of block b: cb[lo] <= b < cb[lo + 1] */      \
                 while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (cb[mid] <= b) lo = mid; else hi = mid - 1; } \
                 int64_t c0 = (b - cb[lo]) / nkv * BI_CHUNK, nk = cl->key_off[lo + 1] - cl->key_off[lo] - c0;   \
-                ca_quant_k8_##SUF(k_cache, cl->slots + cl->key_off[lo] + c0, nk < BI_CHUNK ? nk : BI_CHUNK, nkv * d, \
-                                  d, k8buf + b * CA8_WORDS(d));                                                \
+                ca_quant_kv8_##SUF(k_cache, v_cache, cl->slots + cl->key_off[lo] + c0, nk < BI_CHUNK ? nk : BI_CHUNK, \
+                                   nkv * d, d, k8buf + b * CA8_WORDS(d));                                      \
             }                                                                                                  \
         }                                                                                                      \
         int64_t t = __atomic_fetch_add(ctr + c, 1, __ATOMIC_RELAXED), it = 0;                                  \
@@ -2331,10 +2449,10 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
 int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_items,        \
                      const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
-                     float *st_l, float *st_acc, int store, T *out, int qk8) {                                 \
+                     float *st_l, float *st_acc, int store, T *out, int a8) {                                 \
     ca_call_t call = {n_items, key_off, slots, row_off, rows, limits};                                         \
     return ca_run_##SUF(q, q_stride, k_cache, v_cache, &call, 1, nh, nkv, d, scale, st_m, st_l, st_acc, NULL, store, \
-                        qk8, out);                                                                             \
+                        a8, out);                                                                             \
 }                                                                                                              \
                                                                                                                \
 /* All of one layer's chunk_attn calls in one: desc [n_calls, 6] int64 per call (n_items, then the addresses of \
@@ -2345,7 +2463,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
  * d is too large, else 1. */                                                                                  \
 int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_calls,  \
                            const int64_t *desc, int64_t n_rows, int64_t nh, int64_t nkv, int64_t d, float scale, \
-                           T *out, int qk8) {                                                                  \
+                           T *out, int a8) {                                                                  \
     ca_call_t calls_small[8], *calls = n_calls <= 8 ? calls_small : (ca_call_t *)malloc(sizeof(ca_call_t) * (size_t)n_calls); \
     if (!calls || n_calls < 1) return calls != NULL;                                                           \
     for (int64_t c = 0; c < n_calls; c++) {                                                                    \
@@ -2362,7 +2480,7 @@ int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const
     }                                                                                                          \
     int ok = (n_calls == 1 || (st && has)) &&                                                                  \
              ca_run_##SUF(q, q_stride, k_cache, v_cache, calls, n_calls, nh, nkv, d, scale, st, st ? st + n_rows * nh : NULL, \
-                          st ? st + 2 * n_rows * nh : NULL, has, 0, qk8, out);                                 \
+                          st ? st + 2 * n_rows * nh : NULL, has, 0, a8, out);                                 \
     free(st);                                                                                                  \
     free(has);                                                                                                 \
     if (calls != calls_small) free(calls);                                                                     \
@@ -2372,8 +2490,8 @@ int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const
 DEFINE_BI_KERNELS(f32, float)
 DEFINE_BI_KERNELS(bf16, uint16_t)
 
-/* 1 where chunk_attn_bf16 / chunk_attn_layer_bf16 take int8 scores when asked (qk8) for head dimension d */
-int chunk_attn_int8_scores(int64_t d) { return ca_k8_bf16(d); }
+/* 1 where chunk_attn_bf16 / chunk_attn_layer_bf16 take int8 attention when asked (a8) for head dimension d */
+int chunk_attn_int8(int64_t d) { return ca_k8_bf16(d); }
 
 /* ---- Ragged attention on AMX (bfloat16) ------------------------------------------------------------
  * Many query rows against shared key lists read straight from the KV pool: the shared segments of

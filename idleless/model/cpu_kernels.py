@@ -212,8 +212,8 @@ class CpuKernels:
         # w8a8_gemm on vpdpbusd (AVX512-VNNI in this build) rather than its scalar loops
         lib.w8a8_gemm_vnni.argtypes, lib.w8a8_gemm_vnni.restype = [], ctypes.c_int
         self.has_vnni = bool(lib.w8a8_gemm_vnni())
-        lib.chunk_attn_int8_scores.argtypes, lib.chunk_attn_int8_scores.restype = [_I], ctypes.c_int
-        self._chunk_attn_int8_scores = lib.chunk_attn_int8_scores
+        lib.chunk_attn_int8.argtypes, lib.chunk_attn_int8.restype = [_I], ctypes.c_int
+        self._chunk_attn_int8 = lib.chunk_attn_int8
         # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
@@ -524,17 +524,17 @@ class CpuKernels:
             raise MemoryError("bi_linear: cannot allocate the row buffer")
         return out
 
-    def chunk_attn_int8_scores(self, head_dim: int) -> bool:
-        """Whether ``chunk_attn`` / ``chunk_attn_layer`` with ``int8_scores`` take q.k on int8 codes for this
-        head dimension: bfloat16 kernels on a CPU with AVX-512 BF16 and AVX512-VNNI (this build), head_dim
-        a multiple of 32. Elsewhere the flag is ignored (the scores of bf16 activations)."""
-        return self.dtype == torch.bfloat16 and bool(self._chunk_attn_int8_scores(head_dim))
+    def chunk_attn_int8(self, head_dim: int) -> bool:
+        """Whether ``chunk_attn`` / ``chunk_attn_layer`` with ``int8_attention`` take q.k and P.V on int8
+        codes for this head dimension: bfloat16 kernels on a CPU with AVX-512 BF16 and AVX512-VNNI (this
+        build), head_dim a multiple of 32. Elsewhere the flag is ignored (bf16 activations' attention)."""
+        return self.dtype == torch.bfloat16 and bool(self._chunk_attn_int8(head_dim))
 
     def chunk_attn(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_offsets: torch.Tensor,
                    slots: torch.Tensor, row_offsets: torch.Tensor, rows: torch.Tensor,
                    limits: Optional[torch.Tensor], scale: float, out: Optional[torch.Tensor],
                    state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                   store: bool = False, int8_scores: bool = False) -> None:
+                   store: bool = False, int8_attention: bool = False) -> None:
         """Attention with one reduction order per query row (see the section comments in cpu_kernels.c; in
         bfloat16 on AVX-512 BF16 CPUs, with D a multiple of 32, q.k is a VDPBF16PS chain over the pairs).
         Item i: keys slots[key_offsets[i]:key_offsets[i+1]] of k_cache / v_cache [num_slots, Hkv, D],
@@ -544,9 +544,11 @@ class CpuKernels:
         acc [*, H, D]) float32, contiguous: each row's running softmax state is read from it (else it
         starts empty); store True writes it back there instead of writing out [*, H, D] (the kernels'
         dtype) = acc / l. Rows must be distinct across items. Index tensors int64, contiguous.
-        int8_scores (W8A8's attention, where ``chunk_attn_int8_scores(D)``): each q row per head and each key
-        per kv head quantised to int8 as ``idleless.quant.formats.quantize_rows``, score =
-        (float(exact int dot) * s_k) * (s_q * scale) (SageAttention, arXiv 2410.02367), the rest as above.
+        int8_attention (W8A8's attention, where ``chunk_attn_int8(D)``; SageAttention's int8 QK^T, Zhang et
+        al., arXiv 2410.02367): q per row and head, k and v per key and kv head quantised symmetrically
+        (codes rint(x * 127 / max|x|)), score = (float(exact int dot) * s_k) * (s_q * scale); per chunk of
+        64 keys w = p * s_v quantised to 0..255 against the chunk's largest w and multiplied with the v codes
+        as integers (the section comment in cpu_kernels.c); the softmax state as above.
         Raises ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
         self._check(q, k_cache, v_cache)
         _, H, D = q.shape
@@ -568,7 +570,7 @@ class CpuKernels:
         if not self._chunk_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
                                 key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
                                 _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out),
-                                int(int8_scores)):
+                                int(int8_attention)):
             raise MemoryError("chunk_attn: cannot allocate its buffers")
 
     def chunk_attn_desc(self, calls) -> torch.Tensor:
@@ -588,14 +590,14 @@ class CpuKernels:
         return torch.tensor(rows, dtype=torch.int64)
 
     def chunk_attn_layer(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, calls, scale: float,
-                         out: torch.Tensor, desc: Optional[torch.Tensor] = None, int8_scores: bool = False) -> None:
+                         out: torch.Tensor, desc: Optional[torch.Tensor] = None, int8_attention: bool = False) -> None:
         """A layer's ``chunk_attn`` calls in one kernel call: calls (see ``chunk_attn_desc``) in fold order, the
         shared segments, then the tails; every call but the last continues its rows' softmax state (kept by the
         kernel: a row starts empty where no earlier call had it), the last writes out [T, H, D] (the kernels'
         dtype, contiguous) for its rows. q [T, H, D] (heads contiguous, rows may be strided), caches
         [num_slots, Hkv, D] contiguous, rows < T, D <= 256. The bits of ``chunk_attn`` called per call with a state
         filled with (-inf, 0, 0) (``ChunkedAttention.forward``'s sequence). desc: ``chunk_attn_desc(calls)``,
-        made once and reused (else made here); int8_scores as ``chunk_attn``'s. Raises ValueError on a layout
+        made once and reused (else made here); int8_attention as ``chunk_attn``'s. Raises ValueError on a layout
         mismatch, MemoryError when buffers cannot be allocated."""
         self._check(q, k_cache, v_cache)
         T, H, D = q.shape
@@ -607,7 +609,7 @@ class CpuKernels:
         if desc is None:
             desc = self.chunk_attn_desc(calls)
         if not self._chunk_attn_layer(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), desc.shape[0],
-                                      desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(), int(int8_scores)):
+                                      desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(), int(int8_attention)):
             raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
 
     # ---- batch-invariant Q4_1 x bfloat16 on AVX-512 BF16 (H3; see the section comment in cpu_kernels.c) ----

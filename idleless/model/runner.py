@@ -196,7 +196,7 @@ class ModelRunner:
                            kv_scales=self.kv_scales, kernels=self.kernels)  # --disable-cpu-kernels: none
         self.backend = CompositeAttention(self.pool, heads, kv_heads, mc.head_dim,
                                           getattr(mc, "sliding_window", None), self.kernels, deterministic=det,
-                                          int8_scores=config.activation_dtype == "int8")
+                                          int8_attention=config.activation_dtype == "int8")
         # small batches (decode, verify) skip the module tree: the same calls over preallocated buffers
         self.decode_graph = None if config.disable_decode_graph else DecodeGraph.build(self.model, self.backend)
         # structured outputs: per-request grammar matchers -> the sampler's token masks (the grammar engine

@@ -66,7 +66,7 @@ class SequenceScorer:
         backend = CompositeAttention(pool, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                      getattr(mc, "sliding_window", None), r.kernels,
                                      deterministic=r.deterministic,
-                                     int8_scores=r.config.activation_dtype == "int8")
+                                     int8_attention=r.config.activation_dtype == "int8")
         meta = backend.prepare(ext, [0] * len(ext), tables)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in ext])
         h = r.model.hidden_states(torch.tensor(ids, dtype=torch.int64), positions, backend, meta, torch.cat(tables),

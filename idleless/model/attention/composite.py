@@ -131,12 +131,12 @@ class CompositeAttention:
 
     deterministic: every part goes to the batch-invariant backend (``invariant.ChunkedAttention``, or
     its PyTorch twin without kernels), with shared segments aligned to its chunks, so a row's output
-    does not depend on the batch; raises ValueError for a sliding-window model then. int8_scores
-    (W8A8): that backend's int8 q.k where its kernels take it (``ChunkedAttention``)."""
+    does not depend on the batch; raises ValueError for a sliding-window model then. int8_attention
+    (W8A8): that backend's int8 q.k and P.V where its kernels take them (``ChunkedAttention``)."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None, kernels=None, deterministic: bool = False,
-                 int8_scores: bool = False):
+                 int8_attention: bool = False):
         self.pool = pool
         # per-layer views [num_slots, Hkv, D] (or QuantizedKV views), made once (not per call)
         self._k_layers, self._v_layers = map(list, zip(*(pool.layer_kv(i) for i in range(pool.k_cache.shape[0]))))
@@ -164,7 +164,7 @@ class CompositeAttention:
         if deterministic:
             if sliding_window is not None:
                 raise ValueError("deterministic inference does not support sliding-window attention yet")
-            inv = ChunkedAttention(kern, num_heads, head_dim, int8_scores) if kern is not None else \
+            inv = ChunkedAttention(kern, num_heads, head_dim, int8_attention) if kern is not None else \
                 TorchChunkedAttention(num_heads, head_dim)
             self.decode_backend = self.extend_backend = self.segment_backend = inv
             self.segment_align = inv.segment_align

@@ -66,19 +66,19 @@ class ChunkedAttention(AttentionBackend):
     """All of a batch (tails and shared segments) in one kernel family with one reduction order per
     row (module docstring). kernels: a cpu_kernels.CpuKernels of the pool's dtype.
 
-    int8_scores (``--activation-dtype int8``): q.k on int8 codes of q and k, each quantised per row and
-    head (``CpuKernels.chunk_attn``), where the kernels take them (``chunk_attn_int8_scores``: AVX-512
-    BF16 + VNNI); the attribute says whether they do. A function of each row's and key's own values, so
-    the bits stay independent of the batch, the cache and the chunking."""
+    int8_attention (``--activation-dtype int8``): q.k and P.V on int8 codes (``CpuKernels.chunk_attn``)
+    where the kernels take them (``chunk_attn_int8``: AVX-512 BF16 + VNNI, head_dim a multiple of 32); the
+    attribute says whether they do. The codes are functions of one row, one key or one (row, chunk of
+    keys), so the bits stay independent of the batch, the cache and the chunking."""
 
     segment_align = CHUNK
 
-    def __init__(self, kernels, num_heads: int, head_dim: int, int8_scores: bool = False):
+    def __init__(self, kernels, num_heads: int, head_dim: int, int8_attention: bool = False):
         self.kernels = kernels
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
-        self.int8_scores = bool(int8_scores and kernels is not None and kernels.chunk_attn_int8_scores(head_dim))
+        self.int8_attention = bool(int8_attention and kernels is not None and kernels.chunk_attn_int8(head_dim))
 
     def prepare(self, work: AttnWork) -> BackendPlan:
         """Tails as one call (row r of a tail with p earlier keys sees p + r + 1 keys); the shared
@@ -105,7 +105,7 @@ class ChunkedAttention(AttentionBackend):
         if len(plan.tails) == 1 and self._one_call:
             # the segments and the tail in one kernel call (its own state buffers; the same bits)
             calls = [(c.key_offsets, c.slots, c.row_offsets, c.rows, c.limits) for c in plan.segments + plan.tails]
-            self.kernels.chunk_attn_layer(q, kc, vc, calls, self.scale, out, int8_scores=self.int8_scores)
+            self.kernels.chunk_attn_layer(q, kc, vc, calls, self.scale, out, int8_attention=self.int8_attention)
             return out
         state = None
         if plan.segments:
@@ -122,7 +122,7 @@ class ChunkedAttention(AttentionBackend):
 
     def _call(self, q, kc, vc, c: ChunkCall, out, state, store: bool) -> None:
         self.kernels.chunk_attn(q, kc, vc, c.key_offsets, c.slots, c.row_offsets, c.rows, c.limits, self.scale,
-                                out, state, store, self.int8_scores)
+                                out, state, store, self.int8_attention)
 
 
 class TorchChunkedAttention(ChunkedAttention):
