@@ -25,11 +25,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Scratch memory kept by the calling thread from call to call, one region per SCRATCH_* user: a prefill's
- * per-call buffers of a megabyte or more would otherwise be a fresh mmap and page faults zeroing it, per
- * layer (W8A8's activation codes: ~100 MB of zeroed pages per 1000-token prefill). At least `bytes`
- * long, 64-byte aligned; NULL if it cannot grow. Held until the thread exits. */
-enum { SCRATCH_K8, SCRATCH_W8A8, SCRATCH_N };
+/* Scratch memory kept by the calling thread from call to call, one region per SCRATCH_* user: per-call
+ * buffers malloc'd and freed per layer made glibc hand memory back and take it again (heap trims: TLB
+ * shootdowns to the other OpenMP thread, then page faults zeroing it; a W8A8 decode step took 4x its time
+ * that way once the int8 attention's buffer moved the heap's top). At least `bytes` long, 64-byte aligned;
+ * NULL if it cannot grow. Held until the thread exits. */
+enum { SCRATCH_K8, SCRATCH_W8A8, SCRATCH_CA, SCRATCH_CA_TASKS, SCRATCH_N };
 static __thread void *scratch_mem[SCRATCH_N];
 static __thread size_t scratch_cap[SCRATCH_N];
 static void *scratch(int slot, size_t bytes) {
@@ -2339,7 +2340,7 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
     if (d > BI_MAX_D) return 0;                                                                                \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
     /* per call: task_off (first task of each item), then with k8 cb (first key block of each item) */         \
-    int64_t *task_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * n_off + 3 * n_calls + 2));            \
+    int64_t *task_off = (int64_t *)scratch(SCRATCH_CA_TASKS, sizeof(int64_t) * (size_t)(2 * n_off + 3 * n_calls + 2)); \
     if (!task_off) return 0;                                                                                   \
     int64_t *cb_all = task_off + n_off, *base = cb_all + n_off, *ctr = base + n_calls;                         \
     n_off = 0;                                                                                                 \
@@ -2360,15 +2361,15 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
     }                                                                                                          \
     /* int8 keys of the running call: its key blocks (chunk, kv head) in item order */                         \
     uint32_t *k8buf = k8 ? ca_k8_buffer_##SUF((size_t)(max_blk > 0 ? max_blk : 1) * CA8_WORDS(d)) : NULL;      \
-    if (k8 && !k8buf) { free(task_off); return 0; }                                                            \
+    if (k8 && !k8buf) return 0;                                                                                \
     int64_t *cum = ctr + n_calls, bg_ctr = 0; /* the background prefetch's numbering of every call's keys */   \
     cum[0] = 0;                                                                                                \
     for (int64_t c = 0; c < n_calls; c++) cum[c + 1] = cum[c] + calls[c].key_off[calls[c].n_items];            \
     if (n_calls > 1) bg_ctr = cum[1];                                                                          \
     size_t per_thread = (size_t)(2 * BI_CHUNK * d + 2 * BI_ATT_ROWS * grp * d + 2 * BI_ATT_ROWS * grp);        \
     int nt = MAX_THREADS();                                                                                    \
-    float *buf_all = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);                                 \
-    if (!buf_all) { free(task_off); return 0; }                                                                \
+    float *buf_all = (float *)scratch(SCRATCH_CA, sizeof(float) * per_thread * (size_t)nt);                    \
+    if (!buf_all) return 0;                                                                                    \
     _Pragma("omp parallel if (work * nh * d >= PAR_MIN_WORK)")                                                 \
     {                                                                                                          \
     float *kf = buf_all + per_thread * (size_t)THREAD_ID(), *vf = kf + BI_CHUNK * d;                           \
@@ -2428,8 +2429,6 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
         _Pragma("omp barrier")                                                                                 \
     }                                                                                                          \
     }                                                                                                          \
-    free(buf_all);                                                                                             \
-    free(task_off);                                                                                            \
     return 1;                                                                                                  \
 }                                                                                                              \
                                                                                                                \
