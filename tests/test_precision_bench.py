@@ -46,6 +46,20 @@ def test_quality_rows_and_speed(tmp_path):
     assert runner.pool.num_free_slots == runner.pool.num_slots  # every slot given back
 
 
+def test_speed_rows_report_medians_and_ratios_paired_by_round():
+    """Row medians over the rounds, and each row's ratio to the first row's figure of the same round
+    (median over rounds; hand-computed here): a round where both rows ran slow does not move the ratio."""
+    run = lambda p, d: {"prefill_tok_s": p, "prefill_tok_s_cpu": p / 2, "decode_tok_s": d, "decode_tok_s_cpu": d}
+    runs = {"float": [run(100, 10), run(60, 10), run(110, 8)], "w8a8": [run(150, 20), run(90, 12), run(176, 8)]}
+    ref, w = precision.summarise(runs)
+    assert ref["prefill_tok_s"] == 100 and ref["prefill_x_first"] == 1 and ref["decode_x_first"] == 1
+    assert w["prefill_tok_s"] == 150 and w["decode_tok_s"] == 12 and w["prefill_tok_s_cpu"] == 75
+    assert w["prefill_x_first"] == pytest.approx(1.5)  # rounds 1.5, 1.5, 1.6
+    assert w["decode_x_first"] == pytest.approx(1.2)  # rounds 2.0, 1.2, 1.0
+    assert w["runs"] == runs["w8a8"]
+    assert "| w8a8 | 150 | 75 | 12.0 | 12.0 | 1.50 | 1.20 |" == precision._speed_md(w)
+
+
 def test_llamacpp_needs_a_gguf(tmp_path):
     with pytest.raises(ValueError, match="GGUF"):
         precision._gguf_path(make_tiny_model(tmp_path))

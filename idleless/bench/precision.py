@@ -15,7 +15,8 @@ for weight updates) and the KV bytes per token with the tokens ``--kv-cache-memo
 
 Speed (``--speed-combos``, and llama.cpp with ``--llamacpp PYTHON``: a Python with llama-cpp-python,
 running ``llamacpp_speed.py``): every row in its own fresh process, the rows alternating, ``--repeats``
-rounds, the median reported; the same token ids (the text repeated) and ``--threads`` for all. A
+rounds, the median reported (and each row's ratio to the first row's figure in the same round, the median over
+the rounds: the pairing cancels what drifts between rounds on a shared machine); the same token ids (the text repeated) and ``--threads`` for all. A
 prefill of ``--prefill-tokens`` from an empty cache, ``--prefill-repeats`` of them timed after an untimed one of
 the same size (one extend each for Idleless; their median), and ``--decode-steps``
 greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
@@ -191,11 +192,23 @@ def speed_rows(args: argparse.Namespace, ids: list[int]) -> list[dict]:
                 runs[item].append(json.loads(line))
                 print(f"  {item}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[item][-1].items()
                                                 if isinstance(v, float)), flush=True)
+    return summarise(runs)
+
+
+def summarise(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per item of ``runs`` (item -> its runs, one per round, in round order; the first item is the
+    reference): the median of each tok/s figure over the rounds, and ``prefill_x_first`` /
+    ``decode_x_first``: the median over the rounds of the item's tok/s divided by the first item's in the
+    same round (rows of a round run back to back, so the pairing cancels what drifts between rounds on a
+    shared machine)."""
+    first = next(iter(runs.values()))
     rows = []
     for item, rs in runs.items():
         keys = [k for k in rs[0] if k.endswith(("tok_s", "tok_s_cpu"))]
-        rows.append({"combo": item, **{k: statistics.median(r[k] for r in rs) for k in keys},
-                     "version": rs[0].get("version"), "runs": rs})
+        row = {"combo": item, **{k: statistics.median(r[k] for r in rs) for k in keys}}
+        for k in ("prefill", "decode"):
+            row[f"{k}_x_first"] = statistics.median(r[f"{k}_tok_s"] / f[f"{k}_tok_s"] for r, f in zip(rs, first))
+        rows.append({**row, "version": rs[0].get("version"), "runs": rs})
     return rows
 
 
@@ -230,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
 QUALITY_HEADER = ("| combination | KL mean | KL max | top-1 | ppl | linear MiB | KV B/token | KV tokens |\n"
                   "|---|---|---|---|---|---|---|---|")
 SPEED_HEADER = ("| engine / weights | prefill tok/s (wall) | prefill tok/s (CPU) | decode tok/s (wall) | "
-                "decode tok/s (CPU) |\n|---|---|---|---|---|")
+                "decode tok/s (CPU) | prefill x first row | decode x first row |\n|---|---|---|---|---|---|---|")
 
 
 def _quality_md(r: dict) -> str:
@@ -240,7 +253,7 @@ def _quality_md(r: dict) -> str:
 
 def _speed_md(r: dict) -> str:
     return (f"| {r['combo']} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s_cpu']:.0f} | {r['decode_tok_s']:.1f} | "
-            f"{r['decode_tok_s_cpu']:.1f} |")
+            f"{r['decode_tok_s_cpu']:.1f} | {r['prefill_x_first']:.2f} | {r['decode_x_first']:.2f} |")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
