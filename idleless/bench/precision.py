@@ -15,11 +15,11 @@ for weight updates) and the KV bytes per token with the tokens ``--kv-cache-memo
 
 Speed (``--speed-combos``, and llama.cpp with ``--llamacpp PYTHON``: a Python with llama-cpp-python,
 running ``llamacpp_speed.py``): every row in its own fresh process, the rows alternating, ``--repeats``
-rounds, the median reported (and each row's ratio to the first row's figure in the same round, the median over
-the rounds: the pairing cancels what drifts between rounds on a shared machine); the same token ids (the text repeated) and ``--threads`` for all. A
-prefill of ``--prefill-tokens`` from an empty cache, ``--prefill-repeats`` of them timed after an untimed one of
-the same size (one extend each for Idleless; their median), and ``--decode-steps``
-greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
+rounds, the median reported (and each row's ratio to the first row's figure in the same round, the median
+over the rounds: the pairing cancels what drifts between rounds on a shared machine); the same token ids
+(the text repeated) and ``--threads`` for all. A prefill of ``--prefill-tokens`` from an empty cache,
+``--prefill-repeats`` of them timed after an untimed one of the same size (one extend each for Idleless;
+their median), and ``--decode-steps`` greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
 step: the model alone, without scheduler or sampler), in tokens/s of wall time and of the process's CPU
 time (the steadier figure on a shared machine with one thread).
 

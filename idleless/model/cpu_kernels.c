@@ -1311,12 +1311,13 @@ static inline __attribute__((always_inline)) void ca_pv_pp_n(const uint32_t *pb,
 /* ---- int8 attention (--activation-dtype int8; SageAttention's QK^T, Zhang et al., arXiv 2410.02367) ----
  * Under W8A8 the scores q.k are taken on int8 codes: q per (row, head) and k per (key, kv head) quantised
  * symmetrically (s = max|x| / 127, codes rint(x * (127 / max|x|)) clamped to +-127: ca_q8_row), the dot
- * product exact in int32 by VPDPBUSD on (q codes + 128) and k codes, less 128 x the key's code sum: score_j = (float(dot_j) * s_kj) * (s_q * scale), then the softmax as for bf16 scores. P.V on int8
+ * product exact in int32 by VPDPBUSD on (q codes + 128) and k codes, less 128 x the key's code sum:
+ * score_j = (float(dot_j) * s_kj) * (s_q * scale), then the softmax as for bf16 scores. P.V on int8
  * too: v per (key, kv head) quantised alike (s_v), w_j = p_j * s_vj for the chunk's keys, codes
  * u_j = rint(w_j * (255 / max_j w_j)) clamped to [0, 255] (0 past the live keys), the chunk's product
  * float(sum_j u_j v_j[i]) (exact in int32, VPDPBUSD over key quads) times max w / 255, added to acc[i] a by
  * one FMA; l sums the float p_j. (SageAttention keeps P.V in 16 bits for long sequences; here each chunk of
- * 64 keys has its own scale, and the bundled model's KL to bf16 did not move: benchmarks/README.md.) The
+ * 64 keys has its own scale; the bundled model's KL to bf16 barely moved: benchmarks/README.md.) The
  * codes and scales are functions of one row, one key or one (row, chunk), so a row's bits stay independent
  * of its batch, task and call (K and V quantised once per call, ca_quant_kv8, read by all its tasks). Half
  * the instructions of both pair chains. Only here (AVX-512 BF16 + VNNI, d a multiple of 32); elsewhere
@@ -1336,7 +1337,8 @@ static inline float ca_q8_row(const uint16_t *x, int64_t d, int8_t *c, int32_t *
     __m512 v[BI_MAX_D / 16], m = _mm512_setzero_ps();
     const __m512i ab = _mm512_set1_epi32(0x7fffffff);
     for (int64_t i = 0; i < d / 16; i++) {
-        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * i))), 16));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16 * i));
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[i]), ab)));
     }
     float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f;

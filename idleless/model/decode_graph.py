@@ -213,7 +213,8 @@ class DecodeGraph:
         q_ptr = v.qkv_ptr
         k_ptr, v_ptr = q_ptr + self.q_size * esize, q_ptr + (self.q_size + self.kv_size) * esize
         k_layers, v_layers = backend._k_layers, backend._v_layers
-        kv_write, layer_attn, scale, int8 = self._kv_write, self.kernels._chunk_attn_layer, part.scale, int(part.int8_attention)
+        kv_write, layer_attn, scale = self._kv_write, self.kernels._chunk_attn_layer, part.scale
+        int8 = int(part.int8_attention)
         loc_ptr, desc_ptr, n_calls = loc.data_ptr(), desc.data_ptr(), desc.shape[0]
 
         def attend(i: int) -> torch.Tensor:
