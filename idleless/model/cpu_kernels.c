@@ -29,7 +29,7 @@
  * buffers malloc'd and freed per layer made glibc hand memory back and take it again (heap trims: TLB
  * shootdowns to the other OpenMP thread, then page faults zeroing it; a W8A8 decode step took 4x its time
  * that way once the int8 attention's buffer moved the heap's top). At least `bytes` long, 64-byte aligned;
- * NULL if it cannot grow. Held until the thread exits. */
+ * NULL if it cannot grow. Held until the thread exits, or until scratch_trim finds it over SCRATCH_KEEP. */
 enum { SCRATCH_K8, SCRATCH_W8A8, SCRATCH_CA, SCRATCH_CA_TASKS, SCRATCH_N };
 static __thread void *scratch_mem[SCRATCH_N];
 static __thread size_t scratch_cap[SCRATCH_N];
@@ -41,6 +41,15 @@ static void *scratch(int slot, size_t bytes) {
         scratch_cap[slot] = scratch_mem[slot] ? cap : 0;
     }
     return scratch_mem[slot];
+}
+/* a region larger than this is given back after its call (a huge batch's int8 keys are not held for good) */
+#define SCRATCH_KEEP ((size_t)64 << 20)
+static void scratch_trim(int slot) {
+    if (scratch_cap[slot] > SCRATCH_KEEP) {
+        free(scratch_mem[slot]);
+        scratch_mem[slot] = NULL;
+        scratch_cap[slot] = 0;
+    }
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -2431,6 +2440,7 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
         _Pragma("omp barrier")                                                                                 \
     }                                                                                                          \
     }                                                                                                          \
+    scratch_trim(SCRATCH_K8);                                                                                  \
     return 1;                                                                                                  \
 }                                                                                                              \
                                                                                                                \
@@ -3896,6 +3906,7 @@ int w8a8_gemm_##SUF(const T *x, int64_t m, int64_t k, int64_t ldx, const uint8_t
             }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
+    scratch_trim(SCRATCH_W8A8);                                                                                \
     return 1;                                                                                                  \
 }
 
