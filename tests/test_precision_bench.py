@@ -60,12 +60,23 @@ def test_speed_rows_report_medians_and_ratios_paired_by_round():
     assert "| w8a8 | 150 | 75 | 12.0 | 12.0 | 1.50 | 1.20 |" == precision._speed_md(w)
 
 
+@pytest.mark.parametrize("flag", ["--combos", "--speed-combos"])
+def test_unknown_combinations_are_refused_before_anything_loads(flag, capsys):
+    parser = argparse.ArgumentParser()
+    precision.add_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "float,bogus"])
+    assert "bogus" in capsys.readouterr().err
+    assert getattr(parser.parse_args([flag, "float,,w8a8+kv=int8"]), flag[2:].replace("-", "_")) == "float,,w8a8+kv=int8"
+
+
 def test_llamacpp_needs_a_gguf(tmp_path):
     with pytest.raises(ValueError, match="GGUF"):
         precision._gguf_path(make_tiny_model(tmp_path))
 
 
-@pytest.mark.parametrize("flag", ["--repeats", "--prefill-repeats", "--prefill-tokens", "--decode-prompt"])
+@pytest.mark.parametrize("flag", ["--repeats", "--prefill-repeats", "--prefill-tokens", "--decode-prompt",
+                                  "--decode-steps", "--threads"])
 @pytest.mark.parametrize("value", ["0", "-2", "x"])
 def test_counts_must_be_positive(flag, value, capsys):
     """A count of 0 used to end in statistics' or an index error after minutes of loading: argparse refuses it."""

@@ -27,8 +27,9 @@ def tiny(tmp_path_factory):
 
 
 def _config(path, w="auto", a="bf16", kv="auto", **kw):
-    return EngineConfig(model=path, dtype="float32", kv_cache_memory="2MiB", num_threads=TEST_THREADS,
-                        weight_dtype=w, activation_dtype=a, kv_cache_dtype=kv, **kw)
+    kw.setdefault("kv_cache_memory", "2MiB")
+    return EngineConfig(model=path, dtype="float32", num_threads=TEST_THREADS, weight_dtype=w, activation_dtype=a,
+                        kv_cache_dtype=kv, **kw)
 
 
 def _brute_force(logits: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -62,6 +63,21 @@ def test_int8_weights_pass_and_kl_equals_float64_brute_force(tiny):
     kl, top1 = _brute_force(logits, ref_logits)
     assert p["kl"] == pytest.approx(kl, rel=1e-9, abs=1e-15)
     assert p["top1"] == top1
+
+
+def test_a_kv_pool_smaller_than_the_text_gates_over_what_it_holds(tiny):
+    """A quantised runner whose KV pool holds fewer tokens than the gate's text used to fail at start-up
+    (the pool's None slots taken as a tensor): the gate measures the tokens the pool holds, here 96
+    slots in pages of 16 of the text's BYTE_TOKENS; next_token_logits refuses more with a clear error."""
+    per_token = 2 * 2 * 2 * 16 * 4  # float32 K and V, 2 layers, 2 KV heads, head_dim 16
+    runner = ModelRunner(_config(tiny, "int8", kv_cache_memory=str(100 * per_token), page_size=16))
+    assert runner.pool.num_slots == 96 < BYTE_TOKENS
+    p = runner.precision
+    assert p["gate"] == "passed" and p["gate_tokens"] == 96 and 0 < p["kl"] < p["max_kl"]
+    ids = text_token_ids(tiny, 256)
+    with pytest.raises(MemoryError, match="free slots"):
+        next_token_logits(runner, ids)
+    assert runner.pool.num_free_slots == 96  # nothing taken
 
 
 def test_broken_weight_scale_is_refused_at_startup(tiny, monkeypatch):

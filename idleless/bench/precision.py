@@ -19,9 +19,9 @@ rounds, the median reported (and each row's ratio to the first row's figure in t
 over the rounds: the pairing cancels what drifts between rounds on a shared machine); the same token ids
 (the text repeated) and ``--threads`` for all. A prefill of ``--prefill-tokens`` from an empty cache,
 ``--prefill-repeats`` of them timed after an untimed one of the same size (one extend each for Idleless;
-their median), and ``--decode-steps`` greedy batch-1 decode steps after a ``--decode-prompt``-token prompt (one forward and an argmax per
-step: the model alone, without scheduler or sampler), in tokens/s of wall time and of the process's CPU
-time (the steadier figure on a shared machine with one thread).
+their median), and ``--decode-steps`` greedy batch-1 decode steps after a ``--decode-prompt``-token prompt
+(one forward and an argmax per step: the model alone, without scheduler or sampler), in tokens/s of wall
+time and of the process's CPU time (the steadier figure on a shared machine with one thread).
 
 A combination is one item of --combos: ``float`` (the reference: weights in --dtype), ``auto`` (the
 checkpoint's own format: the bundled GGUF's Q4_1 / Q8_0 blocks), ``int8``, ``fp8``, ``int4``, ``w8a8``
@@ -66,6 +66,17 @@ def parse_combo(item: str) -> dict:
         elif piece != "float":
             raise ValueError(f"unknown precision {piece!r} in {item!r}")
     return out
+
+
+def combo_list(text: str) -> str:
+    """argparse type of --combos / --speed-combos: the text back when every comma-separated item parses
+    (``parse_combo``; empty items skipped), else argparse.ArgumentTypeError naming the item."""
+    for item in filter(None, text.split(",")):
+        try:
+            parse_combo(item)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decode_steps: int,
@@ -260,11 +271,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """The bench's flags."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     parser.add_argument("--dtype", default="auto", help="model dtype (float32 | bfloat16 | auto)")
-    parser.add_argument("--threads", type=int, default=1, help="torch (and llama.cpp) threads (default 1)")
-    parser.add_argument("--combos", default=DEFAULT_COMBOS, help=f"quality rows, comma-separated (default "
-                        f"{DEFAULT_COMBOS}); the first is the reference; empty: none")
-    parser.add_argument("--speed-combos", default=DEFAULT_SPEED_COMBOS, help="speed rows, each in its own process "
-                        f"(default {DEFAULT_SPEED_COMBOS}); empty: none")
+    parser.add_argument("--threads", type=at_least_one, default=1, help="torch (and llama.cpp) threads (default 1)")
+    parser.add_argument("--combos", type=combo_list, default=DEFAULT_COMBOS, help=f"quality rows, comma-separated "
+                        f"(default {DEFAULT_COMBOS}); the first is the reference; empty: none")
+    parser.add_argument("--speed-combos", type=combo_list, default=DEFAULT_SPEED_COMBOS, help="speed rows, each in "
+                        f"its own process (default {DEFAULT_SPEED_COMBOS}); empty: none")
     parser.add_argument("--llamacpp", default=None, metavar="PYTHON", help="a Python with llama-cpp-python: adds "
                         "llama.cpp's speed on the same GGUF file (shared/baselines/setup_llamacpp.sh builds one)")
     parser.add_argument("--repeats", type=at_least_one, default=2, help="alternating rounds of the speed rows (median)")
@@ -272,7 +283,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=at_least_one, default=1000)
     parser.add_argument("--prefill-repeats", type=at_least_one, default=3, help="timed prefills per process (their median)")
     parser.add_argument("--decode-prompt", type=at_least_one, default=16, help="prompt tokens before the decode steps")
-    parser.add_argument("--decode-steps", type=int, default=64)
+    parser.add_argument("--decode-steps", type=at_least_one, default=64)
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--output", default=None, help="write the JSON here")
     parser.add_argument("--speed-child", default=None, help=argparse.SUPPRESS)  # one speed row (a child process)

@@ -71,10 +71,13 @@ def forward_range(runner, ids: list[int], slots: torch.Tensor, start: int, rows:
 
 def next_token_logits(runner, ids: list[int], chunk: int = CHUNK) -> torch.Tensor:
     """float32 logits [len(ids), vocab] of every position of ``ids`` through ``runner`` in extends of
-    ``chunk`` tokens (KV slots taken from ``runner.pool`` and freed after). Raises what the pool raises
-    when it cannot hold len(ids) tokens."""
+    ``chunk`` tokens (KV slots taken from ``runner.pool`` and freed after). Raises MemoryError when the
+    pool's free slots cannot hold len(ids) tokens."""
     pool = runner.pool
     slots = pool.alloc(0, 0, len(ids))
+    if slots is None:
+        raise MemoryError(f"the KV pool has {pool.num_free_slots} free slots; {len(ids)} tokens need more "
+                          "(raise --kv-cache-memory)")
     try:
         return torch.cat([forward_range(runner, ids[a:a + chunk], slots, a, torch.arange(len(ids[a:a + chunk])))
                           for a in range(0, len(ids), chunk)])

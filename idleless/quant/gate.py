@@ -102,10 +102,18 @@ def reference_runner(runner, num_tokens: int):
 def measure(runner, chunk: int = CHUNK) -> dict:
     """``accuracy.compare`` of ``runner``'s next-token logits on the built-in text against the
     reference model's (``reference_runner``, dropped before returning), plus ``tokens`` (the text's
-    length) and ``gate_seconds`` (wall time of the whole measurement, reference load included)."""
+    tokens measured: all of them, or as many as the runner's free KV pages hold) and ``gate_seconds`` (wall time of the whole measurement, reference load included)."""
     t0 = time.perf_counter()
     cfg = runner.config
     ids = text_token_ids(cfg.tokenizer or runner.model_dir, runner.model_config.vocab_size)
+    fits = runner.pool.num_free_slots // cfg.page_size * cfg.page_size  # a KV pool smaller than the text
+    if fits < len(ids):
+        log.warning("accuracy gate over the text's first %d of %d tokens: the KV pool holds no more",
+                    fits, len(ids))
+        ids = ids[:fits]
+    if not ids:
+        raise MemoryError("the KV pool has no free page for the accuracy gate (raise --kv-cache-memory, or pass "
+                          "--skip-quantization-gate)")
     ref = reference_runner(runner, len(ids))
     ref_logits = next_token_logits(ref, ids, chunk)
     del ref
