@@ -177,3 +177,34 @@ def test_w8a8_engine_gives_one_answer_alone_cached_beside_others_and_chunked(w8a
     core.runner.backend.extend_backend.int8_attention = False  # the one backend of every part when deterministic
     plain = _drive(core, [Request("p", PROMPT, GREEDY)])["p"]
     assert plain[1] != ref[1]
+
+
+def test_int8_attention_reads_only_keys_a_row_sees_and_keeps_nan():
+    """Keys past every row's limit (and items without rows) are neither read nor quantised: a slot index
+    far out of range there changes nothing (it crashed the first build); a NaN in a value a row sees gives
+    that row NaN, as bf16 attention does (VMAXPS had dropped it: the row came out finite)."""
+    H, Hkv, D, S = 9, 3, 64, 200
+    kern = _kernels(D)
+    g = torch.Generator().manual_seed(11)
+    kc, vc = torch.randn(S, Hkv, D, generator=g).bfloat16(), torch.randn(S, Hkv, D, generator=g).bfloat16()
+    q = torch.randn(12, H, D, generator=g).bfloat16()
+    slots = torch.randperm(S, generator=g)[:150]
+    ko, ro = torch.tensor([0, 20, 150, 150]), torch.tensor([0, 0, 12, 12])  # items 0 and 2 have no rows
+    rows, lims = torch.arange(12), torch.arange(1, 13) * 5  # item 1's rows see at most 60 of its 130 keys
+
+    def run(sl, v):
+        out = torch.empty(12, H, D, dtype=torch.bfloat16)
+        kern.chunk_attn(q, kc, v, ko, sl, ro, rows, lims, D ** -0.5, out, None, False, True)
+        return out
+
+    want = run(slots, vc)
+    bad = slots.clone()
+    bad[:20] = 10 ** 9  # item 0's keys: no row
+    bad[20 + 61:] = 10 ** 9  # item 1's keys past every row's limit
+    assert torch.equal(run(bad, vc), want)
+    v = vc.clone()
+    v[slots[20 + 30], 1, 7] = float("nan")  # key 30 of item 1: rows with limit > 30 see it, in KV head 1
+    got = run(slots, v)
+    sees = lims > 30
+    assert got[sees][:, 3:6].isnan().all() and not got[~sees].isnan().any()  # query heads 3..5 read KV head 1
+    assert not got[:, :3].isnan().any() and not got[:, 6:].isnan().any()

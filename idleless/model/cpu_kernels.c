@@ -22,6 +22,7 @@
  * OpenMP fork costs a few microseconds. Built with -fopenmp the kernels share PyTorch's own libgomp
  * (same soname, already loaded), so torch.set_num_threads governs them too. */
 #define PAR_MIN_WORK 32768
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,12 +30,21 @@
  * buffers malloc'd and freed per layer made glibc hand memory back and take it again (heap trims: TLB
  * shootdowns to the other OpenMP thread, then page faults zeroing it; a W8A8 decode step took 4x its time
  * that way once the int8 attention's buffer moved the heap's top). At least `bytes` long, 64-byte aligned;
- * NULL if it cannot grow. Held until the thread exits, or until scratch_trim finds it over SCRATCH_KEEP. */
+ * NULL if it cannot grow. Freed when the thread exits (a pthread key's destructor), or after a call that
+ * left it over SCRATCH_KEEP (scratch_trim). */
 enum { SCRATCH_K8, SCRATCH_W8A8, SCRATCH_CA, SCRATCH_CA_TASKS, SCRATCH_N };
 static __thread void *scratch_mem[SCRATCH_N];
 static __thread size_t scratch_cap[SCRATCH_N];
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static void scratch_free(void *mem) { /* at a thread's exit: its regions (mem: its scratch_mem) */
+    for (int i = 0; i < SCRATCH_N; i++) free(((void **)mem)[i]);
+}
+static void scratch_key_init(void) { pthread_key_create(&scratch_key, scratch_free); }
 static void *scratch(int slot, size_t bytes) {
     if (bytes > scratch_cap[slot]) {
+        pthread_once(&scratch_once, scratch_key_init);
+        pthread_setspecific(scratch_key, scratch_mem);
         free(scratch_mem[slot]);
         size_t cap = (bytes + bytes / 4 + 63) / 64 * 64;
         scratch_mem[slot] = aligned_alloc(64, cap);
@@ -1345,12 +1355,15 @@ static inline uint32_t *ca_k8_buffer_bf16(size_t words) { return (uint32_t *)scr
 static inline float ca_q8_row(const uint16_t *x, int64_t d, int8_t *c, int32_t *sum) {
     __m512 v[BI_MAX_D / 16], m = _mm512_setzero_ps();
     const __m512i ab = _mm512_set1_epi32(0x7fffffff);
+    __mmask16 nan = 0;
     for (int64_t i = 0; i < d / 16; i++) {
         __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16 * i));
         v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[i]), ab)));
+        nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
     }
-    float amax = _mm512_reduce_max_ps(m), inv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f;
+    /* VMAXPS drops a NaN operand: a NaN element makes amax NaN explicitly */
+    float amax = nan ? NAN : _mm512_reduce_max_ps(m), inv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f;
     __m512i acc = _mm512_setzero_si512();
     for (int64_t i = 0; i < d / 16; i++) {
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
@@ -1541,8 +1554,11 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
         if (k8) { /* P.V on int8 (the section comment of ca_quant_kv8_bf16): codes u_j of w_j = p_j s_vj */
             const float *sv = (const float *)(k8 + CA8_V(d) + BI_CHUNK / 4 * d);
             __m512 w[4];
-            for (int c = 0; c < 4; c++) w[c] = _mm512_mul_ps(e[c], _mm512_loadu_ps(sv + 16 * c));
+            for (int c = 0; c < 4; c++) w[c] = _mm512_maskz_mul_ps(live[c], e[c], _mm512_loadu_ps(sv + 16 * c));
             float wm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(w[0], w[1]), _mm512_max_ps(w[2], w[3])));
+            __mmask16 nan = 0; /* a NaN w (a value's NaN scale) makes the chunk's product NaN, as in bf16 */
+            for (int c = 0; c < 4; c++) nan |= _mm512_cmp_ps_mask(w[c], w[c], _CMP_UNORD_Q);
+            if (nan) wm = NAN;
             float inv = wm > 0.f && wm < INFINITY ? 255.f / wm : 0.f;
             ws[n] = wm / 255.f;
             for (int c = 0; c < 4; c++) {
@@ -2350,22 +2366,31 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
     const int k8 = dp && a8 && ca_k8_##SUF(d); /* int8 attention (ca_quant_kv8_bf16's section comment) */    \
     if (d > BI_MAX_D) return 0;                                                                                \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
-    /* per call: task_off (first task of each item), then with k8 cb (first key block of each item) */         \
-    int64_t *task_off = (int64_t *)scratch(SCRATCH_CA_TASKS, sizeof(int64_t) * (size_t)(2 * n_off + 3 * n_calls + 2)); \
+    /* per call and item: task_off (its first task), cb (its first int8 key block), seen (its keys a row sees) */ \
+    int64_t *task_off = (int64_t *)scratch(SCRATCH_CA_TASKS, sizeof(int64_t) * (size_t)(3 * n_off + 3 * n_calls + 2)); \
     if (!task_off) return 0;                                                                                   \
-    int64_t *cb_all = task_off + n_off, *base = cb_all + n_off, *ctr = base + n_calls;                         \
+    int64_t *cb_all = task_off + n_off, *seen_all = cb_all + n_off, *base = seen_all + n_off;                  \
+    int64_t *ctr = base + n_calls;                                                                             \
     n_off = 0;                                                                                                 \
     for (int64_t c = 0; c < n_calls; c++) {                                                                    \
         const ca_call_t *cl = calls + c;                                                                       \
-        int64_t *to = task_off + n_off, *cb = cb_all + n_off;                                                  \
+        int64_t *to = task_off + n_off, *cb = cb_all + n_off, *sn = seen_all + n_off;                          \
         base[c] = n_off;                                                                                       \
         ctr[c] = 0;                                                                                            \
         to[0] = cb[0] = 0;                                                                                     \
         for (int64_t i = 0; i < cl->n_items; i++) {                                                            \
             int64_t nr = cl->row_off[i + 1] - cl->row_off[i], nk = cl->key_off[i + 1] - cl->key_off[i];        \
             to[i + 1] = to[i] + nkv * ((nr + BI_ATT_ROWS - 1) / BI_ATT_ROWS);                                  \
-            cb[i + 1] = cb[i] + nkv * ((nk + BI_CHUNK - 1) / BI_CHUNK);                                        \
             work += nr * nk;                                                                                   \
+            int64_t seen = nr ? nk : 0; /* keys some row of the item sees: the only ones int8 quantises */     \
+            if (nr && cl->limits) {                                                                            \
+                seen = 0;                                                                                      \
+                for (int64_t e = cl->row_off[i]; e < cl->row_off[i + 1]; e++)                                  \
+                    if (cl->limits[e] > seen) seen = cl->limits[e];                                            \
+                if (seen > nk) seen = nk;                                                                      \
+            }                                                                                                  \
+            sn[i] = seen;                                                                                      \
+            cb[i + 1] = cb[i] + nkv * ((seen + BI_CHUNK - 1) / BI_CHUNK);                                      \
         }                                                                                                      \
         if (cb[cl->n_items] > max_blk) max_blk = cb[cl->n_items];                                              \
         n_off += cl->n_items + 1;                                                                              \
@@ -2394,13 +2419,13 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
         ca_bg_t bg = {calls, cum, n_calls, c, (int64_t)sizeof(T) * nkv * d, &bg_ctr};                          \
         /* the background prefetch runs in calls with more rows than items (keys shared by rows) */            \
         const ca_bg_t *bgp = c + 1 < n_calls && cl->row_off[cl->n_items] >= 2 * cl->n_items ? &bg : NULL;      \
-        const int64_t *cb = cb_all + base[c];                                                                  \
+        const int64_t *cb = cb_all + base[c], *sn = seen_all + base[c];                                        \
         if (k8buf) { /* the call's keys to int8 once, read by all its tasks (the barrier of the omp for) */    \
             _Pragma("omp for schedule(static)")                                                                \
             for (int64_t b = 0; b < cb[cl->n_items]; b += nkv) { /* a chunk's blocks, all its kv heads */      \
                 int64_t lo = 0, hi = cl->n_items - 1; /* the item of block b: cb[lo] <= b < cb[lo + 1] */      \
                 while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (cb[mid] <= b) lo = mid; else hi = mid - 1; } \
-                int64_t c0 = (b - cb[lo]) / nkv * BI_CHUNK, nk = cl->key_off[lo + 1] - cl->key_off[lo] - c0;   \
+                int64_t c0 = (b - cb[lo]) / nkv * BI_CHUNK, nk = sn[lo] - c0;                                  \
                 ca_quant_kv8_##SUF(k_cache, v_cache, cl->slots + cl->key_off[lo] + c0, nk < BI_CHUNK ? nk : BI_CHUNK, \
                                    nkv * d, d, k8buf + b * CA8_WORDS(d));                                      \
             }                                                                                                  \
