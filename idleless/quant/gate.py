@@ -102,7 +102,9 @@ def reference_runner(runner, num_tokens: int):
 def measure(runner, chunk: int = CHUNK) -> dict:
     """``accuracy.compare`` of ``runner``'s next-token logits on the built-in text against the
     reference model's (``reference_runner``, dropped before returning), plus ``tokens`` (the text's
-    tokens measured: all of them, or as many as the runner's free KV pages hold) and ``gate_seconds`` (wall time of the whole measurement, reference load included)."""
+    tokens measured: all of them, or as many as the runner's free KV pages hold) and ``gate_seconds``
+    (wall time of the whole measurement, reference load included). Raises MemoryError when the pool has
+    no free page."""
     t0 = time.perf_counter()
     cfg = runner.config
     ids = text_token_ids(cfg.tokenizer or runner.model_dir, runner.model_config.vocab_size)
