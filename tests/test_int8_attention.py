@@ -208,3 +208,23 @@ def test_int8_attention_reads_only_keys_a_row_sees_and_keeps_nan():
     sees = lims > 30
     assert got[sees][:, 3:6].isnan().all() and not got[~sees].isnan().any()  # query heads 3..5 read KV head 1
     assert not got[:, :3].isnan().any() and not got[:, 6:].isnan().any()
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("bad", [61, -1])
+def test_a_limit_outside_its_items_keys_is_refused_before_anything_is_read(int8, bad):
+    """A row's limit past its item's key count (or negative) made both paths read past the item (garbage, or a
+    segfault for large ones): ValueError, the output untouched."""
+    kern = _kernels(64)
+    g = torch.Generator().manual_seed(2)
+    kc, vc = torch.randn(100, 3, 64, generator=g).bfloat16(), torch.randn(100, 3, 64, generator=g).bfloat16()
+    q = torch.randn(4, 9, 64, generator=g).bfloat16()
+    out = torch.full((4, 9, 64), 7.0, dtype=torch.bfloat16)
+    lims = torch.tensor([1, 20, bad, 60])
+    with pytest.raises(ValueError, match="limit"):
+        kern.chunk_attn(q, kc, vc, torch.tensor([0, 60]), torch.arange(60), torch.tensor([0, 4]), torch.arange(4),
+                        lims, 64 ** -0.5, out, None, False, int8)
+    assert (out == 7).all()
+    calls = [(torch.tensor([0, 60]), torch.arange(60), torch.tensor([0, 4]), torch.arange(4), lims)]
+    with pytest.raises(ValueError, match="limit"):
+        kern.chunk_attn_layer(q, kc, vc, calls, 64 ** -0.5, out, int8_attention=int8)

@@ -67,7 +67,9 @@ def test_unknown_combinations_are_refused_before_anything_loads(flag, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args([flag, "float,bogus"])
     assert "bogus" in capsys.readouterr().err
-    assert getattr(parser.parse_args([flag, "float,,w8a8+kv=int8"]), flag[2:].replace("-", "_")) == "float,,w8a8+kv=int8"
+    name = flag[2:].replace("-", "_")
+    assert getattr(parser.parse_args([flag, "float,,w8a8+kv=int8"]), name) == "float,w8a8+kv=int8"
+    assert getattr(parser.parse_args([flag, ","]), name) == ""  # no rows (a bare comma crashed after loading)
 
 
 def test_llamacpp_needs_a_gguf(tmp_path):

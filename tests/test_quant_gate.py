@@ -78,6 +78,9 @@ def test_a_kv_pool_smaller_than_the_text_gates_over_what_it_holds(tiny):
     with pytest.raises(MemoryError, match="free slots"):
         next_token_logits(runner, ids)
     assert runner.pool.num_free_slots == 96  # nothing taken
+    # under 64 tokens the first positions alone would decide the verdict: refused, naming the pool
+    with pytest.raises(MemoryError, match="holds 48 tokens; the accuracy gate needs 64"):
+        ModelRunner(_config(tiny, "int8", kv_cache_memory=str(50 * per_token), page_size=16))
 
 
 def test_broken_weight_scale_is_refused_at_startup(tiny, monkeypatch):

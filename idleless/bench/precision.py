@@ -69,14 +69,15 @@ def parse_combo(item: str) -> dict:
 
 
 def combo_list(text: str) -> str:
-    """argparse type of --combos / --speed-combos: the text back when every comma-separated item parses
-    (``parse_combo``; empty items skipped), else argparse.ArgumentTypeError naming the item."""
-    for item in filter(None, text.split(",")):
+    """argparse type of --combos / --speed-combos: the items joined by commas without the empty ones ("" for
+    none) when every item parses (``parse_combo``), else argparse.ArgumentTypeError naming the item."""
+    items = [item for item in text.split(",") if item]
+    for item in items:
         try:
             parse_combo(item)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return ",".join(items)
 
 
 def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decode_steps: int,

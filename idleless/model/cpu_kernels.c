@@ -2357,7 +2357,7 @@ static void ca_task_##SUF(const T *q, int64_t q_stride, const T *k_cache, const 
  * counter by the threads; each thread takes its next task before running the current one, so the current      \
  * one's last chunk prefetches the next one's first keys. Calls before the last store their states into st     \
  * (has marks them); the last stores them when store_last, else writes out. Returns 0 when buffers cannot be   \
- * allocated or d is too large, else 1. */                                                                     \
+ * allocated or d is too large, -1 when a row's limit is negative or past its item's keys, else 1. */            \
 static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const ca_call_t *calls, \
                         int64_t n_calls, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, \
                         float *st_acc, uint8_t *has, int store_last, int a8, T *out) {                        \
@@ -2365,6 +2365,11 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
     const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
     const int k8 = dp && a8 && ca_k8_##SUF(d); /* int8 attention (ca_quant_kv8_bf16's section comment) */    \
     if (d > BI_MAX_D) return 0;                                                                                \
+    for (int64_t c = 0; c < n_calls; c++) /* a row's limit within its item's keys, else -1 (nothing read) */   \
+        for (int64_t i = 0; calls[c].limits && i < calls[c].n_items; i++)                                      \
+            for (int64_t e = calls[c].row_off[i]; e < calls[c].row_off[i + 1]; e++)                            \
+                if (calls[c].limits[e] < 0 || calls[c].limits[e] > calls[c].key_off[i + 1] - calls[c].key_off[i]) \
+                    return -1;                                                                                 \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
     /* per call and item: task_off (its first task), cb (its first int8 key block), seen (its keys a row sees) */ \
     int64_t *task_off = (int64_t *)scratch(SCRATCH_CA_TASKS, sizeof(int64_t) * (size_t)(3 * n_off + 3 * n_calls + 2)); \
@@ -2481,7 +2486,7 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
  * NULL (else -inf, 0, 0); store != 0 writes it back there (a shared segment, continued by a later             \
  * call), store == 0 writes out[r, h, :] = T(acc / l) (0 for a row that saw no key). Rows must be              \
  * distinct across a call's items; d <= BI_MAX_D. Returns 0 if buffers cannot be allocated or d is too         \
- * large, else 1. */                                                                                           \
+ * large, -1 when a row's limit is negative or past its item's keys (nothing read), else 1. */                 \
 int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_items,        \
                      const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
@@ -2496,7 +2501,7 @@ int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_
  * call but the last continues its rows' softmax state in buffers of its own (n_rows x nh states: the rows index \
  * q's first n_rows rows), a row a call meets first starts empty, and the last call writes out. The bits of the \
  * calls made one by one through a state filled with (-inf, 0, 0). Returns 0 when buffers cannot be allocated or \
- * d is too large, else 1. */                                                                                  \
+ * d is too large, -1 when a row's limit is negative or past its item's keys, else 1. */                       \
 int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_calls,  \
                            const int64_t *desc, int64_t n_rows, int64_t nh, int64_t nkv, int64_t d, float scale, \
                            T *out, int a8) {                                                                  \
@@ -2514,7 +2519,7 @@ int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const
         st = (float *)malloc(sizeof(float) * (size_t)(n_rows * nh * (d + 2)));                                 \
         has = (uint8_t *)calloc((size_t)(n_rows * nkv), 1);                                                    \
     }                                                                                                          \
-    int ok = (n_calls == 1 || (st && has)) &&                                                                  \
+    int ok = !(n_calls == 1 || (st && has)) ? 0 : /* ca_run's 1, 0 or -1 */                                   \
              ca_run_##SUF(q, q_stride, k_cache, v_cache, calls, n_calls, nh, nkv, d, scale, st, st ? st + n_rows * nh : NULL, \
                           st ? st + 2 * n_rows * nh : NULL, has, 0, a8, out);                                 \
     free(st);                                                                                                  \

@@ -164,6 +164,15 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def check_chunk_attn(res: int, name: str) -> None:
+    """chunk_attn's / chunk_attn_layer's return code: 1 done, else MemoryError (0: buffers) or ValueError (-1: a
+    row's limit negative or past its item's key count; nothing was read or written)."""
+    if res == 0:
+        raise MemoryError(f"{name}: cannot allocate its buffers")
+    if res < 0:
+        raise ValueError(f"{name}: a row's limit is negative or past its item's keys")
+
+
 def _check_index(*tensors: torch.Tensor) -> None:
     """The C code reads index tensors as raw int64 arrays: anything else would be read as garbage."""
     for t in tensors:
@@ -549,7 +558,8 @@ class CpuKernels:
         (codes rint(x * 127 / max|x|)), score = (float(exact int dot) * s_k) * (s_q * scale); per chunk of
         64 keys w = p * s_v quantised to 0..255 against the chunk's largest w and multiplied with the v codes
         as integers (the section comment in cpu_kernels.c); the softmax state as above.
-        Raises ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
+        Raises ValueError on a layout mismatch or a row's limit negative or past its item's keys, MemoryError
+        when buffers cannot be allocated."""
         self._check(q, k_cache, v_cache)
         _, H, D = q.shape
         Hkv = k_cache.shape[1]
@@ -567,11 +577,10 @@ class CpuKernels:
                 raise ValueError("chunk_attn: state must be contiguous float32 (m [*, H], l [*, H], acc [*, H, D])")
         _check_index(key_offsets, slots, row_offsets, rows, *(() if limits is None else (limits,)))
         st = state if state is not None else (None, None, None)
-        if not self._chunk_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
-                                key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(), rows.data_ptr(),
-                                _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st), int(store), _ptr(out),
-                                int(int8_attention)):
-            raise MemoryError("chunk_attn: cannot allocate its buffers")
+        check_chunk_attn(self._chunk_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
+                                           key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(),
+                                           rows.data_ptr(), _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st),
+                                           int(store), _ptr(out), int(int8_attention)), "chunk_attn")
 
     def chunk_attn_desc(self, calls) -> torch.Tensor:
         """The descriptor ``chunk_attn_layer`` takes for ``calls``, a sequence of (key_offsets, slots, row_offsets,
@@ -608,9 +617,9 @@ class CpuKernels:
             raise ValueError("chunk_attn_layer: layout mismatch")
         if desc is None:
             desc = self.chunk_attn_desc(calls)
-        if not self._chunk_attn_layer(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), desc.shape[0],
-                                      desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(), int(int8_attention)):
-            raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
+        check_chunk_attn(self._chunk_attn_layer(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                                 desc.shape[0], desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(),
+                                                 int(int8_attention)), "chunk_attn_layer")
 
     # ---- batch-invariant Q4_1 x bfloat16 on AVX-512 BF16 (H3; see the section comment in cpu_kernels.c) ----
     #: bytes per (panel of 16 output columns, block of 32 input features) of ``bi_q41_pack``'s layout

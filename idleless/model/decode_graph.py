@@ -27,6 +27,7 @@ import torch
 
 from idleless.model.attention.decode import FusedDecodeAttention
 from idleless.model.attention.invariant import ChunkedAttention
+from idleless.model.cpu_kernels import check_chunk_attn
 from idleless.model.llama import LlamaForCausalLM
 from idleless.model.ops import CpuKernelOps
 
@@ -221,8 +222,8 @@ class DecodeGraph:
             kc, vc = k_layers[i].data_ptr(), v_layers[i].data_ptr()
             kv_write(kc, k_ptr, w, loc_ptr, t, kv_size)
             kv_write(vc, v_ptr, w, loc_ptr, t, kv_size)
-            if not layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr, int8):
-                raise MemoryError("chunk_attn_layer: cannot allocate its buffers")
+            check_chunk_attn(layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr, int8),
+                             "chunk_attn_layer")
             return v.attn
         attend.keep = (loc, idx, desc)  # alive while the closure is
         return attend
