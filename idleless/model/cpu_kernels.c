@@ -2365,11 +2365,6 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
     const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
     const int k8 = dp && a8 && ca_k8_##SUF(d); /* int8 attention (ca_quant_kv8_bf16's section comment) */    \
     if (d > BI_MAX_D) return 0;                                                                                \
-    for (int64_t c = 0; c < n_calls; c++) /* a row's limit within its item's keys, else -1 (nothing read) */   \
-        for (int64_t i = 0; calls[c].limits && i < calls[c].n_items; i++)                                      \
-            for (int64_t e = calls[c].row_off[i]; e < calls[c].row_off[i + 1]; e++)                            \
-                if (calls[c].limits[e] < 0 || calls[c].limits[e] > calls[c].key_off[i + 1] - calls[c].key_off[i]) \
-                    return -1;                                                                                 \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
     /* per call and item: task_off (its first task), cb (its first int8 key block), seen (its keys a row sees) */ \
     int64_t *task_off = (int64_t *)scratch(SCRATCH_CA_TASKS, sizeof(int64_t) * (size_t)(3 * n_off + 3 * n_calls + 2)); \
@@ -2390,9 +2385,10 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
             int64_t seen = nr ? nk : 0; /* keys some row of the item sees: the only ones int8 quantises */     \
             if (nr && cl->limits) {                                                                            \
                 seen = 0;                                                                                      \
-                for (int64_t e = cl->row_off[i]; e < cl->row_off[i + 1]; e++)                                  \
+                for (int64_t e = cl->row_off[i]; e < cl->row_off[i + 1]; e++) {                                \
+                    if (cl->limits[e] < 0 || cl->limits[e] > nk) return -1; /* nothing read yet */             \
                     if (cl->limits[e] > seen) seen = cl->limits[e];                                            \
-                if (seen > nk) seen = nk;                                                                      \
+                }                                                                                              \
             }                                                                                                  \
             sn[i] = seen;                                                                                      \
             cb[i + 1] = cb[i] + nkv * ((seen + BI_CHUNK - 1) / BI_CHUNK);                                      \
