@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from idleless.engine.threads import ThreadGovernor, cpu_busy_seconds, threads_for
+from idleless.engine.threads import ThreadGovernor, cpu_busy_seconds, cpu_steal_seconds, threads_for
 
 
 @pytest.mark.parametrize("others,max_threads,current,want", [
@@ -155,3 +155,15 @@ def test_runner_asks_the_governor_before_each_step(tiny_model_dir, monkeypatch):
         torch.set_num_threads(before)
     assert calls == [2] * len(calls) and 1 <= len(calls) <= steps
     assert governed == plain and all(len(t) == 6 for t in plain.values())
+
+
+def test_cpu_steal_seconds_reads_the_machine_line(tmp_path):
+    """The aggregate "cpu" line's eighth column (steal), in seconds; None without the column or file."""
+    import os
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 5 100 0 0 0 37 0 0\ncpu0 5 0 2 50 0 0 0 30 0 0\ncpu1 5 0 3 50 0 0 0 7 0 0\n")
+    assert cpu_steal_seconds(str(stat)) == pytest.approx(37 / tick)
+    stat.write_text("cpu  10 0 5 100 0 0 0\n")
+    assert cpu_steal_seconds(str(stat)) is None
+    assert cpu_steal_seconds(str(tmp_path / "missing")) is None

@@ -5,6 +5,7 @@ row's refusal of a model that is not a GGUF file."""
 import argparse
 
 import pytest
+import torch
 
 from conftest import TEST_THREADS, make_tiny_model
 from idleless.bench import precision
@@ -57,7 +58,42 @@ def test_speed_rows_report_medians_and_ratios_paired_by_round():
     assert w["prefill_x_first"] == pytest.approx(1.5)  # rounds 1.5, 1.5, 1.6
     assert w["decode_x_first"] == pytest.approx(1.2)  # rounds 2.0, 1.2, 1.0
     assert w["runs"] == runs["w8a8"]
-    assert "| w8a8 | 150 | 75 | 12.0 | 12.0 | 1.50 | 1.20 |" == precision._speed_md(w)
+    assert "| w8a8 | 150 | 75 | 12.0 | 12.0 | 1.50 | 1.20 | - |" == precision._speed_md(w)
+    runs["float"][1]["steal_share"] = 0.2  # a row shows its median steal only where every run measured it
+    assert "steal_share" not in precision.summarise(runs)[0]
+    for r, st in zip(runs["float"], (0.01, 0.2, 0.03)):
+        r["steal_share"] = st
+    ref = precision.summarise(runs)[0]
+    assert ref["steal_share"] == 0.03 and precision._speed_md(ref).endswith("| 3.0% |")
+
+
+def test_decode_speed_is_the_median_step(monkeypatch):
+    """One step the hypervisor stole (5 s beside 0.1 s steps) leaves batch-1 decode at 10 tok/s: the
+    median step, not the total over the steps (hand-computed; a fake clock advanced by each forward)."""
+    clock = [0.0]
+    steps = iter([0.1, 0.1, 5.0, 0.1, 0.1])
+    prefill_s = 2.0
+
+    class Pool:
+        num_slots = 100
+
+        def alloc(self, *a):
+            return torch.arange(100)
+
+        def free(self, slots):
+            pass
+
+    def forward(runner, ids, slots, start, rows):
+        clock[0] += prefill_s if len(ids) > 1 else next(steps)
+        return torch.zeros(1, 8)
+
+    monkeypatch.setattr(precision, "forward_range", forward)
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(precision.time, "process_time", lambda: clock[0] / 2)
+    runner = type("R", (), {"pool": Pool()})()
+    s = precision.speed(runner, list(range(50)), 40, 4, 5, prefill_repeats=3)
+    assert s["prefill_tok_s"] == pytest.approx(20) and s["prefill_tok_s_cpu"] == pytest.approx(40)
+    assert s["decode_tok_s"] == pytest.approx(10) and s["decode_tok_s_cpu"] == pytest.approx(20)
 
 
 @pytest.mark.parametrize("flag", ["--combos", "--speed-combos"])

@@ -9,8 +9,8 @@ builds it from source for the CPU); it imports nothing from Idleless, so it runs
 Measures, on the token ids given (the same ids the Idleless rows use): after one untimed prefill of
 the same size (warm-up), --prefill-repeats prefills (their median) of --prefill-tokens from an empty context (``Llama.eval``, llama.cpp's own batching: n_batch = the prefill, its default
 micro-batch), and --decode-steps greedy batch-1 decode steps after a --decode-prompt-token prompt
-(one ``eval`` of one token per step, the argmax of its logits). Prints one JSON line: tokens/s by wall
-time and by this process's CPU time, and llama.cpp's version.
+(one ``eval`` of one token per step, the argmax of its logits; each step timed, their median). Prints one
+JSON line: tokens/s by wall time and by this process's CPU time, and llama.cpp's version.
 """
 
 from __future__ import annotations
@@ -59,16 +59,16 @@ def main() -> None:
     llm.eval(ids[:a.decode_prompt])
     tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
 
-    def decode():
+    def step():
         nonlocal tok
-        for _ in range(a.decode_steps):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
 
-    decode_wall, decode_cpu = _timed(decode)
+    steps = [_timed(step) for _ in range(a.decode_steps)]  # each step timed, their median (as the Idleless rows)
     print(json.dumps({"engine": "llama.cpp", "version": __version__, "prefill_tok_s": n / prefill_wall,
-                      "prefill_tok_s_cpu": n / prefill_cpu, "decode_tok_s": a.decode_steps / decode_wall,
-                      "decode_tok_s_cpu": a.decode_steps / decode_cpu}), flush=True)
+                      "prefill_tok_s_cpu": n / prefill_cpu,
+                      "decode_tok_s": 1 / statistics.median(w for w, _ in steps),
+                      "decode_tok_s_cpu": 1 / statistics.median(c for _, c in steps)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ over the rounds: the pairing cancels what drifts between rounds on a shared mach
 (the text repeated) and ``--threads`` for all. A prefill of ``--prefill-tokens`` from an empty cache,
 ``--prefill-repeats`` of them timed after an untimed one of the same size (one extend each for Idleless;
 their median), and ``--decode-steps`` greedy batch-1 decode steps after a ``--decode-prompt``-token prompt
-(one forward and an argmax per step: the model alone, without scheduler or sampler), in tokens/s of wall
-time and of the process's CPU time (the steadier figure on a shared machine with one thread).
+(one forward and an argmax per step: the model alone, without scheduler or sampler; each step timed, the
+median step), in tokens/s of wall time and of the process's CPU time (the steadier figure on a shared
+machine with one thread). Each row also shows the machine's steal time over its run (Linux /proc/stat: a
+virtual machine's CPUs taken by the hypervisor), the share of CPU time the rows of that run lost.
 
 A combination is one item of --combos: ``float`` (the reference: weights in --dtype), ``auto`` (the
 checkpoint's own format: the bundled GGUF's Q4_1 / Q8_0 blocks), ``int8``, ``fp8``, ``int4``, ``w8a8``
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -44,6 +47,7 @@ import time
 import torch
 
 from idleless.config import EngineConfig, at_least_one
+from idleless.engine.threads import cpu_steal_seconds
 from idleless.quant.accuracy import compare, forward_range, next_token_logits, text_token_ids
 from idleless.quant.gate import linear_weight_bytes
 
@@ -84,8 +88,8 @@ def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decod
           prefill_repeats: int = 3) -> dict:
     """Prefills of ids[:prefill_tokens] from an empty cache, ``prefill_repeats`` of them timed after an
     untimed one of the same size (the first in a process runs at about half the rate), their median,
-    then ``decode_steps`` greedy batch-1 steps after a prefill of ids[:decode_prompt]: tokens/s of wall
-    and of process CPU time for each."""
+    then ``decode_steps`` greedy batch-1 steps after a prefill of ids[:decode_prompt], each timed, their
+    median (the median TPOT): tokens/s of wall and of process CPU time for each."""
     pool, n = runner.pool, prefill_tokens
     out = {}
     slots = pool.alloc(0, 0, n)
@@ -103,11 +107,15 @@ def speed(runner, ids: list[int], prefill_tokens: int, decode_prompt: int, decod
     pool.free(slots)
     slots = pool.alloc(0, 0, decode_prompt + decode_steps)
     tok = int(forward_range(runner, ids[:decode_prompt], slots, 0, torch.tensor([decode_prompt - 1])).argmax())
-    t0, c0 = time.perf_counter(), time.process_time()
+    # each step timed: the hypervisor of a shared virtual machine steals whole stretches of tens of steps
+    # (steal time, printed per row by speed_rows), which a total over the steps charges to the engine
+    walls, cpus = [], []
     for i in range(decode_steps):
+        t0, c0 = time.perf_counter(), time.process_time()
         tok = int(forward_range(runner, [tok], slots, decode_prompt + i, torch.tensor([0])).argmax())
-    out.update(decode_tok_s=decode_steps / (time.perf_counter() - t0),
-               decode_tok_s_cpu=decode_steps / (time.process_time() - c0))
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    out.update(decode_tok_s=1 / statistics.median(walls), decode_tok_s_cpu=1 / statistics.median(cpus))
     pool.free(slots)
     return out
 
@@ -196,14 +204,18 @@ def speed_rows(args: argparse.Namespace, ids: list[int]) -> list[dict]:
                     cmd = [sys.executable, "-m", "idleless.bench.precision", "--speed-child", item, "--dtype",
                            args.dtype, "--kv-cache-memory", args.kv_cache_memory, *common]
                     cmd += ["--model", args.model] if args.model else []
+                t0, steal0 = time.perf_counter(), cpu_steal_seconds()
                 p = subprocess.run(cmd, capture_output=True, text=True)
+                wall, steal1 = time.perf_counter() - t0, cpu_steal_seconds()
                 line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
                 if p.returncode or line is None:
                     raise RuntimeError(f"speed run {item!r} failed ({p.returncode}):\n{p.stdout[-2000:]}"
                                        f"{p.stderr[-4000:]}")
                 runs[item].append(json.loads(line))
-                print(f"  {item}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[item][-1].items()
-                                                if isinstance(v, float)), flush=True)
+                if steal0 is not None and steal1 is not None:  # the machine's steal over the child's whole run
+                    runs[item][-1]["steal_share"] = (steal1 - steal0) / (wall * (os.cpu_count() or 1))
+                print(f"  {item}: " + ", ".join(f"{k} {100 * v:.1f}%" if k == "steal_share" else f"{k} {v:.1f}"
+                                                for k, v in runs[item][-1].items() if isinstance(v, float)), flush=True)
     return summarise(runs)
 
 
@@ -220,6 +232,8 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
         row = {"combo": item, **{k: statistics.median(r[k] for r in rs) for k in keys}}
         for k in ("prefill", "decode"):
             row[f"{k}_x_first"] = statistics.median(r[f"{k}_tok_s"] / f[f"{k}_tok_s"] for r, f in zip(rs, first))
+        if all("steal_share" in r for r in rs):
+            row["steal_share"] = statistics.median(r["steal_share"] for r in rs)
         rows.append({**row, "version": rs[0].get("version"), "runs": rs})
     return rows
 
@@ -238,8 +252,9 @@ def run(args: argparse.Namespace) -> dict:
     speeds = []
     if args.speed_combos or args.llamacpp:
         print(f"speed: prefill {args.prefill_tokens} tokens (median of {args.prefill_repeats} per process), batch-1 "
-              f"decode {args.decode_steps} steps after {args.decode_prompt}, {args.threads} thread(s), {args.repeats} "
-              "alternating round(s)", flush=True)
+              f"decode {args.decode_steps} steps after {args.decode_prompt} (median step), {args.threads} thread(s), "
+              f"{args.repeats} alternating round(s); steal: the machine's steal time over a row's run, as a share of "
+              "its CPUs' time", flush=True)
         speeds = speed_rows(args, ids)
         print(SPEED_HEADER)
         for r in speeds:
@@ -255,7 +270,7 @@ def run(args: argparse.Namespace) -> dict:
 QUALITY_HEADER = ("| combination | KL mean | KL max | top-1 | ppl | linear MiB | KV B/token | KV tokens |\n"
                   "|---|---|---|---|---|---|---|---|")
 SPEED_HEADER = ("| engine / weights | prefill tok/s (wall) | prefill tok/s (CPU) | decode tok/s (wall) | "
-                "decode tok/s (CPU) | prefill x first row | decode x first row |\n|---|---|---|---|---|---|---|")
+                "decode tok/s (CPU) | prefill x first row | decode x first row | steal |\n|---|---|---|---|---|---|---|---|")
 
 
 def _quality_md(r: dict) -> str:
@@ -265,7 +280,8 @@ def _quality_md(r: dict) -> str:
 
 def _speed_md(r: dict) -> str:
     return (f"| {r['combo']} | {r['prefill_tok_s']:.0f} | {r['prefill_tok_s_cpu']:.0f} | {r['decode_tok_s']:.1f} | "
-            f"{r['decode_tok_s_cpu']:.1f} | {r['prefill_x_first']:.2f} | {r['decode_x_first']:.2f} |")
+            f"{r['decode_tok_s_cpu']:.1f} | {r['prefill_x_first']:.2f} | {r['decode_x_first']:.2f} | "
+            + (f"{100 * r['steal_share']:.1f}% |" if "steal_share" in r else "- |"))
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -47,6 +47,23 @@ def cpu_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> Optional[float
     return total / tick
 
 
+def cpu_steal_seconds(path: str = "/proc/stat") -> Optional[float]:
+    """Seconds all processors of this machine have spent in steal time since boot (time a hypervisor
+    ran something else while this virtual CPU wanted to run: the "cpu" line's eighth column), or None
+    when the file cannot be read or has no steal column (not Linux, an old kernel)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if name == "cpu":
+                    cols = rest.split()
+                    return int(cols[7]) / tick if len(cols) > 7 else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def threads_for(others: float, max_threads: int, current: int) -> int:
     """The thread count for ``others`` cores (float, mean cores busy with other processes) kept busy
     beside ``current`` threads out of ``max_threads``: ``max_threads`` less the taken cores, in
