@@ -11,7 +11,7 @@ import torch
 from idleless.cache.kv_pool import KVPool
 from idleless.model import cpu_kernels
 from idleless.model.attention import CompositeAttention, FusedDecodeAttention, TorchNativeAttention
-from idleless.model.attention.invariant import TorchChunkedAttention
+from idleless.model.attention.invariant import QuantizedKVChunkedAttention, TorchChunkedAttention
 from idleless.quant import kv_scales
 from idleless.quant.kv import QuantizedKV
 
@@ -169,7 +169,78 @@ def test_quantized_pool_routing():
     assert attn._write_kv == attn._write_kv_q8_kernel
     assert TorchNativeAttention(pool, H, HKV, D)._write_kv == attn._write_kv_quantized
     det = CompositeAttention(pool, H, HKV, D, kernels=kern, deterministic=True)
-    assert isinstance(det.decode_backend, TorchChunkedAttention)
+    assert isinstance(det.decode_backend, QuantizedKVChunkedAttention) and det.decode_backend.kernels is kern
+    assert det.extend_backend is det.decode_backend and det.segment_backend is det.decode_backend
+    bare = CompositeAttention(pool, H, HKV, D, kernels=None, deterministic=True)  # no kernels: PyTorch's twin
+    assert isinstance(bare.decode_backend, TorchChunkedAttention)
+
+
+def _dequantised_reference(q, kq, vq, tables, extend, prefix):
+    """float64 causal attention of the rows q [T, H, d] over the K/V codes times their scales (GQA)."""
+    out, start = torch.zeros(q.shape, dtype=torch.float64), 0
+    for table, e, p in zip(tables, extend, prefix):
+        k = (kq.data[table].float().double() * kq.scale[table].double()[..., None]).repeat_interleave(H // HKV, 1)
+        v = (vq.data[table].float().double() * vq.scale[table].double()[..., None]).repeat_interleave(H // HKV, 1)
+        for r in range(e):
+            sc = torch.einsum("hd,lhd->hl", q[start + r].double(), k[:p + r + 1]) * q.shape[-1] ** -0.5
+            out[start + r] = torch.einsum("hl,lhd->hd", sc.softmax(-1), v[:p + r + 1])
+        start += e
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype,int8_attention,in_place", [(torch.float32, False, False),
+                                                           (torch.bfloat16, False, False),
+                                                           (torch.bfloat16, False, True),
+                                                           (torch.bfloat16, True, True)])
+def test_deterministic_attention_over_a_quantised_pool(fmt, dtype, int8_attention, in_place):
+    """Deterministic attention over an int8 / fp8 pool, through a prefill, then a batch with a decode row,
+    an extend sharing 130 prefix slots with it (a 128-key shared segment) and a fresh prompt. With the
+    step's rows dequantised per layer it gives, bit for bit, the chunked kernel's output over a pool of the
+    model dtype holding the dequantised values (the plain backend fed the rows the quantised pool reads
+    back); with the codes read in place (bfloat16 kernels on AVX-512 BF16: the scales applied to scores
+    and probabilities) it is as close to float64 attention over codes x scales as that plain backend is
+    (within 1.5x its error), and the decode row alone gives the bits it gets in the batch. Also under int8
+    attention (W8A8), where the kernels have it."""
+    kern = cpu_kernels.load(dtype)
+    if kern is None:
+        pytest.skip("no C compiler")
+    if in_place and not kern.chunk_attn_q8(64):
+        pytest.skip("these kernels do not read a quantised pool in place (no AVX-512 BF16)")
+    d, slots_n = 64, 400
+    g = torch.Generator().manual_seed(3)
+    qpool = make_pool(fmt, 1, HKV, d, slots_n, dtype)
+    ref_pool = KVPool(1, HKV, d, slots_n, dtype)
+    attn = CompositeAttention(qpool, H, HKV, d, kernels=kern, deterministic=True, int8_attention=int8_attention)
+    ref = CompositeAttention(ref_pool, H, HKV, d, kernels=kern, deterministic=True, int8_attention=int8_attention)
+    assert isinstance(attn.decode_backend, QuantizedKVChunkedAttention)
+    assert attn.decode_backend.int8_attention == ref.decode_backend.int8_attention
+    assert attn.decode_backend.in_place == kern.chunk_attn_q8(d)
+    attn.decode_backend.in_place = in_place
+    kq, vq = qpool.layer_kv(0)
+    perm = torch.randperm(slots_n, generator=g)
+    a_slots = perm[:150]
+    a_new, b_new, c_new = perm[150:151], perm[151:154], perm[154:159]
+    steps = [([150], [0], [a_slots], a_slots),
+             ([1, 3, 5], [150, 130, 0], [torch.cat([a_slots, a_new]), torch.cat([a_slots[:130], b_new]), c_new],
+              torch.cat([a_new, b_new, c_new]))]
+    for extend, prefix, tables, loc in steps:
+        n = sum(extend)
+        q = (torch.randn(n, H, d, generator=g) * 2).to(dtype)
+        k, v = (torch.randn(n, HKV, d, generator=g) * 3).to(dtype), torch.randn(n, HKV, d, generator=g).to(dtype)
+        out = attn.forward(q, k, v, 0, attn.prepare(extend, prefix, tables), loc)
+        # the reference pool gets what the quantised pool holds at those slots
+        want = ref.forward(q, kq.index_select(0, loc), vq.index_select(0, loc), 0, ref.prepare(extend, prefix, tables),
+                           loc)
+        if not in_place:
+            assert torch.equal(out, want)
+        else:
+            exact = _dequantised_reference(q, kq, vq, tables, extend, prefix)
+            err, ref_err = (out.double() - exact).abs().max(), (want.double() - exact).abs().max()
+            assert err <= 1.5 * ref_err + 1e-3, (err, ref_err)
+    alone = attn.forward(q[:1], k[:1], v[:1], 0, attn.prepare([1], [150], tables[:1]), loc[:1])
+    assert torch.equal(alone, out[:1])
+    assert torch.isfinite(out.float()).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1188,17 +1188,132 @@ static inline void ca_prefetch_item(const void *k_cache, const void *v_cache, co
         for (int64_t b = 0; b < tok; b += 64) { __builtin_prefetch(kr + b, 0, 2); __builtin_prefetch(vr + b, 0, 2); }
     }
 }
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define Q8_TABS 1
+/* The 8-bit codes -> bfloat16 in registers: every value of the three formats is exact in bfloat16 (int8:
+ * integers up to 127; e4m3 / e5m2: 3 / 2 mantissa bits, exponents within bfloat16's), so the table holds
+ * the low and high bytes of bf16(lut[c]) for the magnitudes c = 0..127 (two 64-byte halves each, looked up
+ * by VPERMI2B on the code's 7 low bits), the sign is the code's bit 7 (fp8 is sign-magnitude; an int8
+ * code is looked up by its absolute value, -128 never being stored), and VPERMT2B interleaves low and high
+ * bytes into words in element order. */
+typedef struct { __m512i lo0, lo1, hi0, hi1, ia, ib; int is_int8; } Q8Tabs;
+static inline Q8Tabs q8_tabs(const float *lut, int is_int8) {
+    uint8_t lo[128], hi[128], ia[64], ib[64];
+    for (int c = 0; c < 128; c++) {
+        uint16_t h = f32_to_bf16(lut[c]);
+        lo[c] = (uint8_t)(h & 0xff);
+        hi[c] = (uint8_t)(h >> 8);
+    }
+    for (int k = 0; k < 32; k++) {
+        ia[2 * k] = (uint8_t)k; ia[2 * k + 1] = (uint8_t)(64 + k);
+        ib[2 * k] = (uint8_t)(32 + k); ib[2 * k + 1] = (uint8_t)(96 + k);
+    }
+    Q8Tabs t;
+    t.lo0 = _mm512_loadu_si512(lo); t.lo1 = _mm512_loadu_si512(lo + 64);
+    t.hi0 = _mm512_loadu_si512(hi); t.hi1 = _mm512_loadu_si512(hi + 64);
+    t.ia = _mm512_loadu_si512(ia); t.ib = _mm512_loadu_si512(ib);
+    t.is_int8 = is_int8;
+    return t;
+}
+/* 64 codes at p -> bfloat16 of elements 0..31 (*a) and 32..63 (*b) */
+static inline __attribute__((always_inline)) void q8_to_bf16_64(const Q8Tabs *t, const uint8_t *p, __m512i *a,
+                                                                __m512i *b) {
+    __m512i x = _mm512_loadu_si512(p);
+    __m512i m = t->is_int8 ? _mm512_abs_epi8(x) : x;
+    __m512i lo = _mm512_permutex2var_epi8(t->lo0, m, t->lo1);
+    __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t->hi0, m, t->hi1),
+                                 _mm512_and_si512(x, _mm512_set1_epi8((char)0x80)));
+    *a = _mm512_permutex2var_epi8(lo, t->ia, hi);
+    *b = _mm512_permutex2var_epi8(lo, t->ib, hi);
+}
+static inline __m512 q8_bf16_lo_ps(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+}
+static inline __m512 q8_bf16_hi_ps(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+}
+/* float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 16 at a time */
+static inline __m256i q8_rd_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline int64_t kv_read_q8_fast_bf16(const Q8Tabs *t, const uint8_t *c, float s, uint16_t *o, int64_t d) {
+    int64_t i = 0;
+    __m512 vs = _mm512_set1_ps(s);
+    for (; i + 64 <= d; i += 64) {
+        __m512i a, b;
+        q8_to_bf16_64(t, c + i, &a, &b);
+        _mm256_storeu_si256((__m256i *)(o + i), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(a), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 16), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(a), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 32), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(b), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 48), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(b), vs)));
+    }
+    return i;
+}
+#endif
+/* A quantised KV pool as chunk_attn's pair paths read it (NULL: the caches hold values of the kernels' dtype):
+ * codes k / v [num_slots, nkv, d] (one byte per element), scales ks / vs at [slot * ss + kv head] (ss = nkv:
+ * per slot and head; 0: per head), lut [256] the value of each code, tabs its Q8Tabs (q8_tabs). A row's codes are
+ * decoded as they are gathered into their exact bfloat16 values lut[code] (no dequantised copy of the cache
+ * exists) and the scales are applied where decode_attn_q8 applies them: a key's to its scores (s_k (q . lut[kb])),
+ * a value's to the probabilities (p s_v, rounded to bfloat16 for the P.V pairs); the softmax sum l adds the
+ * probabilities themselves. Under int8 attention the decoded row is quantised as a bfloat16 row is and its
+ * scale multiplied by the stored one. */
+typedef struct { const uint8_t *k, *v; const float *ks, *vs, *lut; int64_t ss; const void *tabs; } ca_q8_t;
+/* the tables of a ca_q8_t (CA_TABS(storage, lut): their address, NULL where the scalar decode runs) */
+#ifdef Q8_TABS
+typedef Q8Tabs ca_tabs_t;
+#define CA_TABS(t, lut) ((t) = q8_tabs(lut, (lut)[255] == -1.0f && (lut)[1] == 1.0f), (const void *)&(t))
+#else
+typedef int ca_tabs_t;
+#define CA_TABS(t, lut) ((void)(t), (const void *)NULL)
+#endif
+/* row sl (a slot) of kv head h of the codes (k or v of kvq, rows tok bytes apart) -> o[d] = bf16(lut[code]), exact
+ * (every value of the three formats is a bfloat16); the row's scale is applied by the caller */
+static inline const uint16_t *ca_q8_row_bf16(const ca_q8_t *kvq, int v, int64_t sl, int64_t tok, int64_t h, int64_t d,
+                                             uint16_t *o) {
+    const uint8_t *c = (v ? kvq->v : kvq->k) + sl * tok + h * d;
+    int64_t i = 0;
+#ifdef Q8_TABS
+    for (; i + 64 <= d; i += 64) {
+        __m512i a, b;
+        q8_to_bf16_64((const Q8Tabs *)kvq->tabs, c + i, &a, &b);
+        _mm512_storeu_si512(o + i, a);
+        _mm512_storeu_si512(o + i + 32, b);
+    }
+#endif
+    for (; i < d; i++) o[i] = f32_to_bf16(kvq->lut[c[i]]);
+    return o;
+}
+/* the K (v = 0) or V scale of row sl, kv head h */
+static inline float ca_q8_scale(const ca_q8_t *kvq, int v, int64_t sl, int64_t h) {
+    return (v ? kvq->vs : kvq->ks)[sl * kvq->ss + h];
+}
+/* the per-slot scales (int8's) of n keys sl[0..n): a row's scale sits on a cache line of its own at a scattered slot */
+static inline void ca_prefetch_scales(const ca_q8_t *kvq, const int64_t *sl, int64_t n) {
+    if (!kvq || !kvq->ss) return;
+    for (int64_t j = 0; j < n; j++) {
+        __builtin_prefetch(kvq->ks + sl[j] * kvq->ss);
+        __builtin_prefetch(kvq->vs + sl[j] * kvq->ss);
+    }
+}
 /* a dtype without the VDPBF16PS pair paths: ca_dp_<sfx> says no, so ca_task_pp_<sfx> is never called */
 #define CA_PP_STUB(T, sfx) \
     static inline int ca_dp_##sfx(int64_t d) { return 0; } \
     static inline int ca_k8_##sfx(int64_t d) { return 0; } \
     static inline uint32_t *ca_k8_buffer_##sfx(size_t words) { return NULL; } \
     static inline void ca_quant_kv8_##sfx(const T *k_cache, const T *v_cache, const int64_t *sl, int64_t n, \
-        int64_t tok, int64_t d, uint32_t *blk) {} \
+        int64_t tok, int64_t d, uint32_t *blk, const ca_q8_t *kvq) {} \
     static inline void ca_task_pp_##sfx(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
         const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0, int64_t e1, \
         int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale, const ca_state_t *st, const ca_next_t *nx, \
-        T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8) {}
+        T *out, uint32_t *kp, uint32_t *vp, float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8, \
+        const ca_q8_t *kvq) {}
 /* ---- Batch-invariant kernels on AVX-512 BF16 (helper H3, issue 11 on AMD EPYC Zen 4) ------------------
  * Where the CPU has VDPBF16PS, the bfloat16 batch-invariant kernels take bf16 pairs as the instruction
  * wants them: each product of two bf16 values is exact in float32, two of them added to the float32
@@ -1277,10 +1392,20 @@ static inline __m512 ca_exp16(__m512 x) { /* e^x for x <= 0 (NaN, -inf: e^-87) *
  * short block padded with copies of its last key, masked later), V as key pairs vp [BI_CHUNK / 2][d] (word i
  * of pair jp: v_2jp[i] low, v_2jp+1[i] high; +0 past key n - 1); kp NULL: V only */
 static void ca_gather_pp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
-                              int64_t tok, int64_t off, int64_t d, uint32_t *kp, uint32_t *vp) {
+                              int64_t tok, int64_t off, int64_t d, uint32_t *kp, uint32_t *vp, const ca_q8_t *kvq,
+                              float *kvs) {
+    uint16_t rows[16][BI_MAX_D]; /* a quantised pool's rows, decoded (ca_q8_t); kvs: their K then V scales */
+    for (int64_t j = 0; kvq && j < BI_CHUNK; j++) {
+        int64_t sj = sl[j < n ? j : n - 1];
+        kvs[j] = ca_q8_scale(kvq, 0, sj, off / d);
+        kvs[BI_CHUNK + j] = ca_q8_scale(kvq, 1, sj, off / d);
+    }
     for (int64_t j = 0; kp && j < n; j += 16) {
         const uint16_t *kr[16];
-        for (int r = 0; r < 16; r++) kr[r] = k_cache + sl[j + r < n ? j + r : n - 1] * tok + off;
+        for (int r = 0; r < 16; r++) {
+            int64_t s = sl[j + r < n ? j + r : n - 1];
+            kr[r] = kvq ? ca_q8_row_bf16(kvq, 0, s, tok, off / d, d, rows[r]) : k_cache + s * tok + off;
+        }
         for (int64_t pb = 0; pb < d / 32; pb++) {
             __m512i x[16];
             for (int r = 0; r < 16; r++) x[r] = _mm512_loadu_si512(kr[r] + 32 * pb);
@@ -1293,8 +1418,10 @@ static void ca_gather_pp_bf16(const uint16_t *k_cache, const uint16_t *v_cache, 
                                          0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
-        const uint16_t *r0 = v_cache + sl[2 * jp] * tok + off;
-        const uint16_t *r1 = 2 * jp + 1 < n ? v_cache + sl[2 * jp + 1] * tok + off : NULL;
+        const uint16_t *r0 = kvq ? ca_q8_row_bf16(kvq, 1, sl[2 * jp], tok, off / d, d, rows[0])
+                                : v_cache + sl[2 * jp] * tok + off;
+        const uint16_t *r1 = 2 * jp + 1 >= n ? NULL : kvq ? ca_q8_row_bf16(kvq, 1, sl[2 * jp + 1], tok, off / d, d, rows[1])
+                                                        : v_cache + sl[2 * jp + 1] * tok + off;
         for (int64_t i = 0; i < d; i += 32) {
             __m512i a = _mm512_loadu_si512(r0 + i), b = r1 ? _mm512_loadu_si512(r1 + i) : _mm512_setzero_si512();
             _mm512_storeu_si512(vp + jp * d + i, _mm512_permutex2var_epi16(a, lo, b));
@@ -1402,19 +1529,21 @@ static inline void ca_v8_quad(const int8_t (*c)[BI_MAX_D], int64_t d, uint32_t *
                (uint32_t)(uint8_t)c[3][i] << 24;
 }
 static void ca_quant_kv8_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *sl, int64_t n,
-                              int64_t tok, int64_t d, uint32_t *blk) {
-    int64_t nkv = tok / d, w = CA8_WORDS(d);
+                              int64_t tok, int64_t d, uint32_t *blk, const ca_q8_t *kvq) {
+    int64_t nkv = tok / d, w = CA8_WORDS(d), rb = kvq ? tok : 2 * tok; /* bytes per token row */
+    const char *kb = kvq ? (const char *)kvq->k : (const char *)k_cache, *vb = kvq ? (const char *)kvq->v : (const char *)v_cache;
     int8_t codes[BI_MAX_D], vc[4][BI_MAX_D];
+    uint16_t row[BI_MAX_D]; /* a quantised pool's row, decoded (ca_q8_t) */
     for (int64_t j = 0; j < n && j < CA_K8_AHEAD; j++)
-        for (int64_t b = 0; b < 2 * tok; b += 64) {
-            __builtin_prefetch((const char *)(k_cache + sl[j] * tok) + b);
-            __builtin_prefetch((const char *)(v_cache + sl[j] * tok) + b);
+        for (int64_t b = 0; b < rb; b += 64) {
+            __builtin_prefetch(kb + sl[j] * rb + b);
+            __builtin_prefetch(vb + sl[j] * rb + b);
         }
     for (int64_t j0 = 0; j0 < BI_CHUNK; j0 += 4) { /* a quad of keys, all their kv heads */
         for (int64_t j = j0 + CA_K8_AHEAD; j < j0 + 4 + CA_K8_AHEAD && j < n; j++)
-            for (int64_t b = 0; b < 2 * tok; b += 64) {
-                __builtin_prefetch((const char *)(k_cache + sl[j] * tok) + b);
-                __builtin_prefetch((const char *)(v_cache + sl[j] * tok) + b);
+            for (int64_t b = 0; b < rb; b += 64) {
+                __builtin_prefetch(kb + sl[j] * rb + b);
+                __builtin_prefetch(vb + sl[j] * rb + b);
             }
         for (int64_t kh = 0; kh < nkv; kh++) {
             uint32_t *bk = blk + kh * w;
@@ -1422,11 +1551,17 @@ static void ca_quant_kv8_bf16(const uint16_t *k_cache, const uint16_t *v_cache, 
             int32_t *kc = (int32_t *)(sk + BI_CHUNK);
             for (int64_t j = j0; j < j0 + 4; j++) {
                 int32_t sum = 0;
-                if (j < n) sk[j] = ca_q8_row(k_cache + sl[j] * tok + kh * d, d, codes, &sum);
+                if (j < n && kvq) /* the decoded row's codes, its scale times the stored one (ca_q8_t) */
+                    sk[j] = ca_q8_row(ca_q8_row_bf16(kvq, 0, sl[j], tok, kh, d, row), d, codes, &sum) *
+                            ca_q8_scale(kvq, 0, sl[j], kh);
+                else if (j < n) sk[j] = ca_q8_row(k_cache + sl[j] * tok + kh * d, d, codes, &sum);
                 else { sk[j] = 0.f; memset(codes, 0, (size_t)d); }
                 kc[j] = 128 * sum;
                 for (int64_t g = 0; g < d / 4; g++) memcpy(bk + g * BI_CHUNK + j, codes + 4 * g, 4);
-                if (j < n) sv[j] = ca_q8_row(v_cache + sl[j] * tok + kh * d, d, vc[j - j0], &sum);
+                if (j < n && kvq)
+                    sv[j] = ca_q8_row(ca_q8_row_bf16(kvq, 1, sl[j], tok, kh, d, row), d, vc[j - j0], &sum) *
+                            ca_q8_scale(kvq, 1, sl[j], kh);
+                else if (j < n) sv[j] = ca_q8_row(v_cache + sl[j] * tok + kh * d, d, vc[j - j0], &sum);
                 else { sv[j] = 0.f; memset(vc[j - j0], 0, (size_t)d); }
             }
             ca_v8_quad((const int8_t (*)[BI_MAX_D])vc, d, bk + CA8_V(d) + j0 / 4 * d);
@@ -1487,8 +1622,8 @@ static inline __attribute__((always_inline)) void ca_pv8_n(const uint32_t *pu, c
 static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q, int64_t d, const uint32_t *kp,
                                                               const uint32_t *vp, int64_t nn, float scale, float *mx,
                                                               float *sm, float *acc, uint32_t *pb, const uint32_t *k8,
-                                                              const uint32_t *q8, const float *qs, const int nq,
-                                                              const int nb) {
+                                                              const uint32_t *q8, const float *qs, const float *kvs,
+                                                              const int nq, const int nb) {
     __m512 s[CA_NQ][4]; /* scores of keys 16 c .. 16 c + 15; the blocks from nb on (no live key) stay 0 */
     for (int n = 0; n < nq; n++)
         for (int c = 0; c < 4; c++) s[n][c] = _mm512_setzero_ps();
@@ -1539,10 +1674,15 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
     }
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i himask = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 ks[4], vsc[4]; /* a quantised pool's key scales (times the softmax scale) and value scales (kvs) */
+    for (int c = 0; kvs && c < 4; c++) {
+        ks[c] = _mm512_mul_ps(_mm512_loadu_ps(kvs + 16 * c), vs);
+        vsc[c] = _mm512_loadu_ps(kvs + BI_CHUNK + 16 * c);
+    }
     float a[CA_NQ], ws[CA_NQ];
     for (int n = 0; n < nq; n++) {
         __m512 x[4], vsn = k8 ? _mm512_set1_ps(qs[n]) : vs;
-        for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], vsn);
+        for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mul_ps(ninf, live[c], s[n][c], kvs && !k8 ? ks[c] : vsn);
         float mc = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
         float mo = mx[n], mn = mo > mc ? mo : mc;
         /* fast_expf(0) is exactly 1: skipped where the running max stands (most chunks after the first) */
@@ -1574,8 +1714,15 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
         }
 #endif
         __m512i w0 = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]), w1 = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
-        _mm512_storeu_si512(pb + n * (BI_CHUNK / 2), w0);
-        _mm512_storeu_si512(pb + n * (BI_CHUNK / 2) + 16, w1);
+        if (kvs) { /* P.V takes p s_v (the values' scales), the sum l the probabilities */
+            _mm512_storeu_si512(pb + n * (BI_CHUNK / 2), (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_maskz_mul_ps(live[1], e[1], vsc[1]), _mm512_maskz_mul_ps(live[0], e[0], vsc[0])));
+            _mm512_storeu_si512(pb + n * (BI_CHUNK / 2) + 16, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_maskz_mul_ps(live[3], e[3], vsc[3]), _mm512_maskz_mul_ps(live[2], e[2], vsc[2])));
+        } else {
+            _mm512_storeu_si512(pb + n * (BI_CHUNK / 2), w0);
+            _mm512_storeu_si512(pb + n * (BI_CHUNK / 2) + 16, w1);
+        }
         __m512 r0 = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
                                   _mm512_castsi512_ps(_mm512_and_si512(w0, himask)));
         __m512 r1 = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
@@ -1601,14 +1748,14 @@ static inline __attribute__((always_inline)) void ca_row_pp_n(const uint16_t *q,
 }
 #define CA_ROW_PP_NB(NQ)                                                                                  \
     switch (nb) {                                                                                         \
-    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 1); break;              \
-    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 2); break;              \
-    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 3); break;              \
-    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, NQ, 4);                    \
+    case 1: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, kvs, NQ, 1); break;         \
+    case 2: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, kvs, NQ, 2); break;         \
+    case 3: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, kvs, NQ, 3); break;         \
+    default: ca_row_pp_n(q, d, kp, vp, nn, scale, mx, sm, acc, pb, k8, q8, qs, kvs, NQ, 4);               \
     }
 static void ca_row_pp(const uint16_t *q, int64_t d, const uint32_t *kp, const uint32_t *vp, int64_t nn, float scale,
                       float *mx, float *sm, float *acc, uint32_t *pb, const uint32_t *k8, const uint32_t *q8,
-                      const float *qs, int nq) {
+                      const float *qs, const float *kvs, int nq) {
     int nb = (int)((nn + 15) / 16);
     if (nq >= 3) { CA_ROW_PP_NB(3) }
     else if (nq == 2) { CA_ROW_PP_NB(2) }
@@ -1620,8 +1767,10 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
                             const int64_t *sl, int64_t nkeys, const int64_t *rows, const int64_t *limits, int64_t e0,
                             int64_t e1, int64_t kh, int64_t nh, int64_t nkv, int64_t d, float scale,
                             const ca_state_t *st, const ca_next_t *nx, uint16_t *out, uint32_t *kp, uint32_t *vp,
-                            float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8) {
-    int64_t grp = nh / nkv, maxlim = 0;
+                            float *acc, float *mx, float *sm, uint32_t *pb, const uint32_t *k8, const ca_q8_t *kvq) {
+    int64_t grp = nh / nkv, maxlim = 0, esz = kvq ? 1 : 2; /* bytes per cached element */
+    float kvs[2 * BI_CHUNK]; /* a quantised pool's chunk: its keys' K and V scales (ca_gather_pp_bf16) */
+    const void *kc = kvq ? (const void *)kvq->k : (const void *)k_cache, *vc = kvq ? (const void *)kvq->v : (const void *)v_cache;
     /* int8 attention: the rows' query codes + 128 (d / 4 words per head) and sq * scale, after pb's CA_NQ
      * x BI_CHUNK / 2 words (the thread's pb buffer holds BI_ATT_ROWS x grp x d words) */
     uint32_t *q8 = pb + CA_NQ * BI_CHUNK / 2;
@@ -1642,12 +1791,15 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
     for (int64_t c0 = 0; c0 < maxlim; c0 += BI_CHUNK) {
         int64_t c1 = c0 + BI_CHUNK < maxlim ? c0 + BI_CHUNK : maxlim;
         const uint32_t *kb = k8 ? k8 + (c0 / BI_CHUNK * nkv + kh) * CA8_WORDS(d) : NULL;
-        if (!kb) ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kp, vp);
-        if (c1 < maxlim)
-            ca_prefetch(k_cache, v_cache, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK), 2 * nkv * d,
-                        2 * kh * d, 2 * d);
-        else if (nx && nx->sl)
-            ca_prefetch(k_cache, v_cache, nx->sl, nx->n, 2 * nkv * d, 2 * nx->off, 2 * d);
+        if (!kb) ca_gather_pp_bf16(k_cache, v_cache, sl + c0, c1 - c0, nkv * d, kh * d, d, kp, vp, kvq, kvs);
+        if (c1 < maxlim) {
+            ca_prefetch(kc, vc, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK), esz * nkv * d,
+                        esz * kh * d, esz * d);
+            ca_prefetch_scales(kvq, sl + c1, (maxlim - c1 < BI_CHUNK ? maxlim - c1 : BI_CHUNK));
+        } else if (nx && nx->sl) {
+            ca_prefetch(kc, vc, nx->sl, nx->n, esz * nkv * d, esz * nx->off, esz * d);
+            ca_prefetch_scales(kvq, nx->sl, nx->n);
+        }
         for (int64_t e = e0; e < e1; e++) {
             int64_t lim = limits ? limits[e] : nkeys;
             if (lim <= c0) continue;
@@ -1656,9 +1808,9 @@ static void ca_task_pp_bf16(const uint16_t *q, int64_t q_stride, const uint16_t 
                 int64_t si = (e - e0) * grp + g0;
                 const uint16_t *qr = q + rows[e] * q_stride + (kh * grp + g0) * d;
                 ca_row_pp(qr, d, kp, vp, nn, scale, mx + si, sm + si, acc + si * d, pb, kb, q8 + si * (d / 4),
-                          qs + si, (int)(grp - g0));
+                          qs + si, kvq && !kb ? kvs : NULL, (int)(grp - g0));
             }
-            if (nx) ca_bg_prefetch(nx->bg, k_cache, v_cache, CA_BG_KEYS);
+            if (nx) ca_bg_prefetch(nx->bg, kc, vc, CA_BG_KEYS);
         }
     }
     for (int64_t e = e0; e < e1; e++)
@@ -2357,14 +2509,20 @@ static void ca_task_##SUF(const T *q, int64_t q_stride, const T *k_cache, const 
  * counter by the threads; each thread takes its next task before running the current one, so the current      \
  * one's last chunk prefetches the next one's first keys. Calls before the last store their states into st     \
  * (has marks them); the last stores them when store_last, else writes out. Returns 0 when buffers cannot be   \
- * allocated or d is too large, -1 when a row's limit is negative or past its item's keys, else 1. */            \
+ * allocated or d is too large, -1 when a row's limit is negative or past its item's keys, -2 for a quantised  \
+ * pool (kvq, read by the pair paths only) where they do not run, else 1. */                                   \
 static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const ca_call_t *calls, \
                         int64_t n_calls, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m, float *st_l, \
-                        float *st_acc, uint8_t *has, int store_last, int a8, T *out) {                        \
+                        float *st_acc, uint8_t *has, int store_last, int a8, T *out, const ca_q8_t *kvq) {    \
     int64_t grp = nh / nkv, n_off = 0, work = 0, max_blk = 0;                                                  \
     const int dp = ca_dp_##SUF(d); /* AVX-512 BF16: ca_task_pp_bf16's pair chains (section comment above) */   \
     const int k8 = dp && a8 && ca_k8_##SUF(d); /* int8 attention (ca_quant_kv8_bf16's section comment) */    \
     if (d > BI_MAX_D) return 0;                                                                                \
+    if (kvq && !dp) return -2; /* a quantised pool is read by the pair paths only (chunk_attn_q8) */           \
+    /* the caches' bytes (a quantised pool's codes) for the prefetches */                                      \
+    const void *kc = kvq ? (const void *)kvq->k : (const void *)k_cache;                                       \
+    const void *vc = kvq ? (const void *)kvq->v : (const void *)v_cache;                                       \
+    const int64_t esz = kvq ? 1 : (int64_t)sizeof(T);                                                          \
     for (int64_t c = 0; c < n_calls; c++) n_off += calls[c].n_items + 1;                                       \
     /* per call and item: task_off (its first task), cb (its first int8 key block), seen (its keys a row sees) */ \
     int64_t *task_off = (int64_t *)scratch(SCRATCH_CA_TASKS, sizeof(int64_t) * (size_t)(3 * n_off + 3 * n_calls + 2)); \
@@ -2417,7 +2575,7 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
         const int64_t *to = task_off + base[c];                                                                \
         int64_t ntasks = to[cl->n_items];                                                                      \
         ca_state_t st = {st_m, st_l, st_acc, has, c + 1 < n_calls ? 1 : store_last};                           \
-        ca_bg_t bg = {calls, cum, n_calls, c, (int64_t)sizeof(T) * nkv * d, &bg_ctr};                          \
+        ca_bg_t bg = {calls, cum, n_calls, c, esz * nkv * d, &bg_ctr};                                        \
         /* the background prefetch runs in calls with more rows than items (keys shared by rows) */            \
         const ca_bg_t *bgp = c + 1 < n_calls && cl->row_off[cl->n_items] >= 2 * cl->n_items ? &bg : NULL;      \
         const int64_t *cb = cb_all + base[c], *sn = seen_all + base[c];                                        \
@@ -2428,7 +2586,7 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
                 while (lo < hi) { int64_t mid = (lo + hi + 1) / 2; if (cb[mid] <= b) lo = mid; else hi = mid - 1; } \
                 int64_t c0 = (b - cb[lo]) / nkv * BI_CHUNK, nk = sn[lo] - c0;                                  \
                 ca_quant_kv8_##SUF(k_cache, v_cache, cl->slots + cl->key_off[lo] + c0, nk < BI_CHUNK ? nk : BI_CHUNK, \
-                                   nkv * d, d, k8buf + b * CA8_WORDS(d));                                      \
+                                   nkv * d, d, k8buf + b * CA8_WORDS(d), kvq);                                 \
             }                                                                                                  \
         }                                                                                                      \
         int64_t t = __atomic_fetch_add(ctr + c, 1, __ATOMIC_RELAXED), it = 0;                                  \
@@ -2448,8 +2606,8 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
             }                                                                                                  \
             int64_t local = t - to[it], kh = local % nkv, blk = local / nkv;                                   \
             if (local == 0 && it + 1 < cl->n_items) /* a new item: its successor's keys into L2 */             \
-                ca_prefetch_item(k_cache, v_cache, cl->slots + cl->key_off[it + 1],                            \
-                                 cl->key_off[it + 2] - cl->key_off[it + 1], (int64_t)sizeof(T) * nkv * d);     \
+                ca_prefetch_item(kc, vc, cl->slots + cl->key_off[it + 1],                                      \
+                                 cl->key_off[it + 2] - cl->key_off[it + 1], esz * nkv * d);                    \
             int64_t e0 = cl->row_off[it] + blk * BI_ATT_ROWS, e1 = e0 + BI_ATT_ROWS;                           \
             if (e1 > cl->row_off[it + 1]) e1 = cl->row_off[it + 1];                                            \
             int64_t nkeys = cl->key_off[it + 1] - cl->key_off[it];                                             \
@@ -2457,7 +2615,7 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
             if (dp) /* AVX-512 BF16: both products as pair chains (ca_task_pp_bf16) */                         \
                 ca_task_pp_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, cl->rows, cl->limits, e0, e1, kh, nh, nkv, d, \
                                  scale, &st, &nx, out, (uint32_t *)kf, (uint32_t *)vf, acc, mx, sm, (uint32_t *)qf, \
-                                 k8buf ? k8buf + cb[it] * CA8_WORDS(d) : NULL);                                \
+                                 k8buf ? k8buf + cb[it] * CA8_WORDS(d) : NULL, kvq);                           \
             else                                                                                               \
                 ca_task_##SUF(q, q_stride, k_cache, v_cache, sl, nkeys, cl->rows, cl->limits, e0, e1, kh, nh, nkv, d, \
                               scale, &st, &nx, out, kf, vf, qf, acc, mx, sm);                                  \
@@ -2481,26 +2639,32 @@ static int ca_run_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T 
  * The state of row r, head h starts from st_m[r, h], st_l[r, h], st_acc[r, h, :] when st_m is not             \
  * NULL (else -inf, 0, 0); store != 0 writes it back there (a shared segment, continued by a later             \
  * call), store == 0 writes out[r, h, :] = T(acc / l) (0 for a row that saw no key). Rows must be              \
- * distinct across a call's items; d <= BI_MAX_D. Returns 0 if buffers cannot be allocated or d is too         \
- * large, -1 when a row's limit is negative or past its item's keys (nothing read), else 1. */                 \
+ * distinct across a call's items; d <= BI_MAX_D. lut not NULL: k_cache / v_cache hold a quantised pool's codes \
+ * (ks / vs, ss, lut: ca_q8_t; chunk_attn_q8(d) must hold). Returns 0 if buffers cannot be allocated or d is too \
+ * large, -1 when a row's limit is negative or past its item's keys (nothing read), -2 for a quantised pool    \
+ * where chunk_attn_q8(d) does not hold, else 1. */                                                            \
 int chunk_attn_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_items,        \
                      const int64_t *key_off, const int64_t *slots, const int64_t *row_off, const int64_t *rows, \
                      const int64_t *limits, int64_t nh, int64_t nkv, int64_t d, float scale, float *st_m,      \
-                     float *st_l, float *st_acc, int store, T *out, int a8) {                                 \
+                     float *st_l, float *st_acc, int store, T *out, int a8, const float *ks, const float *vs,  \
+                     int64_t ss, const float *lut) {                                                          \
     ca_call_t call = {n_items, key_off, slots, row_off, rows, limits};                                         \
+    ca_tabs_t tabs;                                                                                            \
+    ca_q8_t kvq = {(const uint8_t *)k_cache, (const uint8_t *)v_cache, ks, vs, lut, ss, lut ? CA_TABS(tabs, lut) : NULL}; \
     return ca_run_##SUF(q, q_stride, k_cache, v_cache, &call, 1, nh, nkv, d, scale, st_m, st_l, st_acc, NULL, store, \
-                        a8, out);                                                                             \
+                        a8, out, lut ? &kvq : NULL);                                                          \
 }                                                                                                              \
                                                                                                                \
 /* All of one layer's chunk_attn calls in one: desc [n_calls, 6] int64 per call (n_items, then the addresses of \
  * key_off, slots, row_off, rows, limits; limits 0: none), in fold order (shared segments, then the tails); every \
  * call but the last continues its rows' softmax state in buffers of its own (n_rows x nh states: the rows index \
  * q's first n_rows rows), a row a call meets first starts empty, and the last call writes out. The bits of the \
- * calls made one by one through a state filled with (-inf, 0, 0). Returns 0 when buffers cannot be allocated or \
- * d is too large, -1 when a row's limit is negative or past its item's keys, else 1. */                       \
+ * calls made one by one through a state filled with (-inf, 0, 0). ks, vs, ss, lut: chunk_attn's. Returns 0 when \
+ * buffers cannot be allocated or d is too large, -1 when a row's limit is negative or past its item's keys, -2   \
+ * for a quantised pool where chunk_attn_q8(d) does not hold, else 1. */                                       \
 int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, int64_t n_calls,  \
                            const int64_t *desc, int64_t n_rows, int64_t nh, int64_t nkv, int64_t d, float scale, \
-                           T *out, int a8) {                                                                  \
+                           T *out, int a8, const float *ks, const float *vs, int64_t ss, const float *lut) {  \
     ca_call_t calls_small[8], *calls = n_calls <= 8 ? calls_small : (ca_call_t *)malloc(sizeof(ca_call_t) * (size_t)n_calls); \
     if (!calls || n_calls < 1) return calls != NULL;                                                           \
     for (int64_t c = 0; c < n_calls; c++) {                                                                    \
@@ -2515,9 +2679,11 @@ int chunk_attn_layer_##SUF(const T *q, int64_t q_stride, const T *k_cache, const
         st = (float *)malloc(sizeof(float) * (size_t)(n_rows * nh * (d + 2)));                                 \
         has = (uint8_t *)calloc((size_t)(n_rows * nkv), 1);                                                    \
     }                                                                                                          \
-    int ok = !(n_calls == 1 || (st && has)) ? 0 : /* ca_run's 1, 0 or -1 */                                   \
+    ca_tabs_t tabs;                                                                                            \
+    ca_q8_t kvq = {(const uint8_t *)k_cache, (const uint8_t *)v_cache, ks, vs, lut, ss, lut ? CA_TABS(tabs, lut) : NULL}; \
+    int ok = !(n_calls == 1 || (st && has)) ? 0 : /* ca_run's 1, 0, -1 or -2 */                               \
              ca_run_##SUF(q, q_stride, k_cache, v_cache, calls, n_calls, nh, nkv, d, scale, st, st ? st + n_rows * nh : NULL, \
-                          st ? st + 2 * n_rows * nh : NULL, has, 0, a8, out);                                 \
+                          st ? st + 2 * n_rows * nh : NULL, has, 0, a8, out, lut ? &kvq : NULL);              \
     free(st);                                                                                                  \
     free(has);                                                                                                 \
     if (calls != calls_small) free(calls);                                                                     \
@@ -2529,6 +2695,10 @@ DEFINE_BI_KERNELS(bf16, uint16_t)
 
 /* 1 where chunk_attn_bf16 / chunk_attn_layer_bf16 take int8 attention when asked (a8) for head dimension d */
 int chunk_attn_int8(int64_t d) { return ca_k8_bf16(d); }
+/* 1 where chunk_attn_bf16 / chunk_attn_layer_bf16 read a quantised pool (lut not NULL: k_cache / v_cache its codes,
+ * ks / vs its scales, ss their slot stride; the arithmetic in ca_q8_t's comment) for head dimension d: the pair
+ * paths; elsewhere they return -2 */
+int chunk_attn_q8(int64_t d) { return ca_dp_bf16(d); }
 
 /* ---- Ragged attention on AMX (bfloat16) ------------------------------------------------------------
  * Many query rows against shared key lists read straight from the KV pool: the shared segments of
@@ -3301,48 +3471,6 @@ int q8p_linear_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const 
  * float32, two passes, as decode_attn. The AVX2 path (decode_avx2_core) gives these loops' bits; on an
  * AVX-512 VBMI + BF16 CPU a bfloat16 model runs decode_attn_q8_avx512 (another q.k order, by design). */
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-/* The 8-bit codes -> bfloat16 in registers: every value of the three formats is exact in bfloat16 (int8:
- * integers up to 127; e4m3 / e5m2: 3 / 2 mantissa bits, exponents within bfloat16's), so the table holds
- * the low and high bytes of bf16(lut[c]) for the magnitudes c = 0..127 (two 64-byte halves each, looked up
- * by VPERMI2B on the code's 7 low bits), the sign is the code's bit 7 (fp8 is sign-magnitude; an int8
- * code is looked up by its absolute value, -128 never being stored), and VPERMT2B interleaves low and high
- * bytes into words in element order. */
-typedef struct { __m512i lo0, lo1, hi0, hi1, ia, ib; int is_int8; } Q8Tabs;
-static inline Q8Tabs q8_tabs(const float *lut, int is_int8) {
-    uint8_t lo[128], hi[128], ia[64], ib[64];
-    for (int c = 0; c < 128; c++) {
-        uint16_t h = f32_to_bf16(lut[c]);
-        lo[c] = (uint8_t)(h & 0xff);
-        hi[c] = (uint8_t)(h >> 8);
-    }
-    for (int k = 0; k < 32; k++) {
-        ia[2 * k] = (uint8_t)k; ia[2 * k + 1] = (uint8_t)(64 + k);
-        ib[2 * k] = (uint8_t)(32 + k); ib[2 * k + 1] = (uint8_t)(96 + k);
-    }
-    Q8Tabs t;
-    t.lo0 = _mm512_loadu_si512(lo); t.lo1 = _mm512_loadu_si512(lo + 64);
-    t.hi0 = _mm512_loadu_si512(hi); t.hi1 = _mm512_loadu_si512(hi + 64);
-    t.ia = _mm512_loadu_si512(ia); t.ib = _mm512_loadu_si512(ib);
-    t.is_int8 = is_int8;
-    return t;
-}
-/* 64 codes at p -> bfloat16 of elements 0..31 (*a) and 32..63 (*b) */
-static inline __attribute__((always_inline)) void q8_to_bf16_64(const Q8Tabs *t, const uint8_t *p, __m512i *a,
-                                                                __m512i *b) {
-    __m512i x = _mm512_loadu_si512(p);
-    __m512i m = t->is_int8 ? _mm512_abs_epi8(x) : x;
-    __m512i lo = _mm512_permutex2var_epi8(t->lo0, m, t->lo1);
-    __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t->hi0, m, t->hi1),
-                                 _mm512_and_si512(x, _mm512_set1_epi8((char)0x80)));
-    *a = _mm512_permutex2var_epi8(lo, t->ia, hi);
-    *b = _mm512_permutex2var_epi8(lo, t->ib, hi);
-}
-static inline __m512 q8_bf16_lo_ps(__m512i w) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
-}
-static inline __m512 q8_bf16_hi_ps(__m512i w) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
-}
 /* decode_attn_q8 for bfloat16 with d a multiple of 64 (up to 256) and up to 16 query heads per KV head:
  * decode_attn_bf16_avx512's loops (q.k by VDPBF16PS, p.v in float32 FMAs) over K/V rows decoded by
  * q8_to_bf16_64; the scales as the scalar kernel applies them. Returns 0 (the other paths run) outside
@@ -3619,29 +3747,6 @@ static inline int64_t kv_read_q8_fast_f32(const Q8Tabs *t, const uint8_t *c, flo
         _mm512_storeu_ps(o + i + 16, _mm512_mul_ps(q8_bf16_hi_ps(a), vs));
         _mm512_storeu_ps(o + i + 32, _mm512_mul_ps(q8_bf16_lo_ps(b), vs));
         _mm512_storeu_ps(o + i + 48, _mm512_mul_ps(q8_bf16_hi_ps(b), vs));
-    }
-    return i;
-}
-/* float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 16 at a time */
-static inline __m256i q8_rd_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-static inline int64_t kv_read_q8_fast_bf16(const Q8Tabs *t, const uint8_t *c, float s, uint16_t *o, int64_t d) {
-    int64_t i = 0;
-    __m512 vs = _mm512_set1_ps(s);
-    for (; i + 64 <= d; i += 64) {
-        __m512i a, b;
-        q8_to_bf16_64(t, c + i, &a, &b);
-        _mm256_storeu_si256((__m256i *)(o + i), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(a), vs)));
-        _mm256_storeu_si256((__m256i *)(o + i + 16), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(a), vs)));
-        _mm256_storeu_si256((__m256i *)(o + i + 32), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(b), vs)));
-        _mm256_storeu_si256((__m256i *)(o + i + 48), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(b), vs)));
     }
     return i;
 }

@@ -62,8 +62,9 @@ _SIGNATURES = {
 _SIGNATURES_INT = {
     "bi_linear_pack": [_P, _I, _I, _P],
     "bi_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I],
-    "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int],
-    "chunk_attn_layer": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, ctypes.c_int],
+    "chunk_attn": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _F, _P, _P, _P, ctypes.c_int, _P, ctypes.c_int,
+                   _P, _P, _I, _P],
+    "chunk_attn_layer": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, ctypes.c_int, _P, _P, _I, _P],
     # quantised weights (idleless.quant): x in the kernels' dtype, weights int8 or GGUF Q4_1
     "q8_linear": [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I],
     "q41_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I],
@@ -166,9 +167,12 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 def check_chunk_attn(res: int, name: str) -> None:
     """chunk_attn's / chunk_attn_layer's return code: 1 done, else MemoryError (0: buffers) or ValueError (-1: a
-    row's limit negative or past its item's key count; nothing was read or written)."""
+    row's limit negative or past its item's key count; -2: a quantised pool these kernels do not read; nothing
+    was read or written)."""
     if res == 0:
         raise MemoryError(f"{name}: cannot allocate its buffers")
+    if res == -2:
+        raise ValueError(f"{name}: these kernels do not read a quantised KV pool (chunk_attn_q8)")
     if res < 0:
         raise ValueError(f"{name}: a row's limit is negative or past its item's keys")
 
@@ -223,6 +227,8 @@ class CpuKernels:
         self.has_vnni = bool(lib.w8a8_gemm_vnni())
         lib.chunk_attn_int8.argtypes, lib.chunk_attn_int8.restype = [_I], ctypes.c_int
         self._chunk_attn_int8 = lib.chunk_attn_int8
+        lib.chunk_attn_q8.argtypes, lib.chunk_attn_q8.restype = [_I], ctypes.c_int
+        self._chunk_attn_q8 = lib.chunk_attn_q8
         # AMX tiles (Intel Sapphire Rapids and later) for ragged_attn and amx_linear: bfloat16 only
         self.has_amx = dtype == torch.bfloat16 and bool(lib.amx_available())
         if self.has_amx:
@@ -539,6 +545,30 @@ class CpuKernels:
         build), head_dim a multiple of 32. Elsewhere the flag is ignored (bf16 activations' attention)."""
         return self.dtype == torch.bfloat16 and bool(self._chunk_attn_int8(head_dim))
 
+    def chunk_attn_q8(self, head_dim: int) -> bool:
+        """Whether ``chunk_attn`` / ``chunk_attn_layer`` read a quantised KV pool (``QuantizedKV`` caches:
+        int8 / fp8 codes decoded as they are gathered into their exact bfloat16 values, a key's scale
+        applied to its scores and a value's to the probabilities before P.V, as ``decode_attn_q8``; under
+        int8 attention the decoded rows quantised as bfloat16 rows are, their scales times the stored
+        ones): bfloat16 kernels with the AVX-512 BF16 pair paths (this build), head_dim a multiple of 32."""
+        return self.dtype == torch.bfloat16 and bool(self._chunk_attn_q8(head_dim))
+
+    def _attn_caches(self, q: torch.Tensor, k_cache, v_cache, name: str):
+        """chunk_attn's caches: (K, V tensors for the layout checks, then the C arguments k, v, ks, vs, ss,
+        lut): a ``QuantizedKV`` pair (where ``chunk_attn_q8``) or tensors of the kernels' dtype."""
+        if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
+            kd, vd, d = getattr(k_cache, "data", None), getattr(v_cache, "data", None), q.shape[-1]
+            if kd is None or vd is None or not self.chunk_attn_q8(d) or k_cache.out_dtype != self.dtype:
+                raise ValueError(f"{name}: a quantised KV pool needs bfloat16 kernels with chunk_attn_q8({d})")
+            ss = self._scale_stride(k_cache, name)
+            if self._scale_stride(v_cache, name) != ss or kd.dtype != vd.dtype:
+                raise ValueError(f"{name}: layout mismatch")
+            self._check(q)
+            return kd, vd, (kd.data_ptr(), vd.data_ptr(), k_cache.scale.data_ptr(), v_cache.scale.data_ptr(), ss,
+                            k_cache.lut.data_ptr())
+        self._check(q, k_cache, v_cache)
+        return k_cache, v_cache, (k_cache.data_ptr(), v_cache.data_ptr(), None, None, 0, None)
+
     def chunk_attn(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_offsets: torch.Tensor,
                    slots: torch.Tensor, row_offsets: torch.Tensor, rows: torch.Tensor,
                    limits: Optional[torch.Tensor], scale: float, out: Optional[torch.Tensor],
@@ -558,9 +588,11 @@ class CpuKernels:
         (codes rint(x * 127 / max|x|)), score = (float(exact int dot) * s_k) * (s_q * scale); per chunk of
         64 keys w = p * s_v quantised to 0..255 against the chunk's largest w and multiplied with the v codes
         as integers (the section comment in cpu_kernels.c); the softmax state as above.
+        k_cache / v_cache may be ``idleless.quant.kv.QuantizedKV`` layers where ``chunk_attn_q8(D)``: their codes
+        read in place (``chunk_attn_q8``).
         Raises ValueError on a layout mismatch or a row's limit negative or past its item's keys, MemoryError
         when buffers cannot be allocated."""
-        self._check(q, k_cache, v_cache)
+        k_cache, v_cache, kv = self._attn_caches(q, k_cache, v_cache, "chunk_attn")
         _, H, D = q.shape
         Hkv = k_cache.shape[1]
         n = key_offsets.numel() - 1
@@ -577,10 +609,10 @@ class CpuKernels:
                 raise ValueError("chunk_attn: state must be contiguous float32 (m [*, H], l [*, H], acc [*, H, D])")
         _check_index(key_offsets, slots, row_offsets, rows, *(() if limits is None else (limits,)))
         st = state if state is not None else (None, None, None)
-        check_chunk_attn(self._chunk_attn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), n,
+        check_chunk_attn(self._chunk_attn(q.data_ptr(), q.stride(0), kv[0], kv[1], n,
                                            key_offsets.data_ptr(), slots.data_ptr(), row_offsets.data_ptr(),
                                            rows.data_ptr(), _ptr(limits), H, Hkv, D, scale, *(_ptr(t) for t in st),
-                                           int(store), _ptr(out), int(int8_attention)), "chunk_attn")
+                                           int(store), _ptr(out), int(int8_attention), *kv[2:]), "chunk_attn")
 
     def chunk_attn_desc(self, calls) -> torch.Tensor:
         """The descriptor ``chunk_attn_layer`` takes for ``calls``, a sequence of (key_offsets, slots, row_offsets,
@@ -606,9 +638,9 @@ class CpuKernels:
         dtype, contiguous) for its rows. q [T, H, D] (heads contiguous, rows may be strided), caches
         [num_slots, Hkv, D] contiguous, rows < T, D <= 256. The bits of ``chunk_attn`` called per call with a state
         filled with (-inf, 0, 0) (``ChunkedAttention.forward``'s sequence). desc: ``chunk_attn_desc(calls)``,
-        made once and reused (else made here); int8_attention as ``chunk_attn``'s. Raises ValueError on a layout
-        mismatch, MemoryError when buffers cannot be allocated."""
-        self._check(q, k_cache, v_cache)
+        made once and reused (else made here); int8_attention and quantised caches as ``chunk_attn``'s. Raises
+        ValueError on a layout mismatch, MemoryError when buffers cannot be allocated."""
+        k_cache, v_cache, kv = self._attn_caches(q, k_cache, v_cache, "chunk_attn_layer")
         T, H, D = q.shape
         Hkv = k_cache.shape[1]
         if (q.stride(2) != 1 or q.stride(1) != D or not k_cache.is_contiguous() or not v_cache.is_contiguous()
@@ -617,9 +649,9 @@ class CpuKernels:
             raise ValueError("chunk_attn_layer: layout mismatch")
         if desc is None:
             desc = self.chunk_attn_desc(calls)
-        check_chunk_attn(self._chunk_attn_layer(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                                 desc.shape[0], desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(),
-                                                 int(int8_attention)), "chunk_attn_layer")
+        check_chunk_attn(self._chunk_attn_layer(q.data_ptr(), q.stride(0), kv[0], kv[1], desc.shape[0],
+                                                 desc.data_ptr(), T, H, Hkv, D, scale, out.data_ptr(),
+                                                 int(int8_attention), *kv[2:]), "chunk_attn_layer")
 
     # ---- batch-invariant Q4_1 x bfloat16 on AVX-512 BF16 (H3; see the section comment in cpu_kernels.c) ----
     #: bytes per (panel of 16 output columns, block of 32 input features) of ``bi_q41_pack``'s layout

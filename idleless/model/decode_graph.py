@@ -222,8 +222,8 @@ class DecodeGraph:
             kc, vc = k_layers[i].data_ptr(), v_layers[i].data_ptr()
             kv_write(kc, k_ptr, w, loc_ptr, t, kv_size)
             kv_write(vc, v_ptr, w, loc_ptr, t, kv_size)
-            check_chunk_attn(layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr, int8),
-                             "chunk_attn_layer")
+            check_chunk_attn(layer_attn(q_ptr, w, kc, vc, n_calls, desc_ptr, t, h, hkv, d, scale, v.attn_ptr, int8,
+                                        None, None, 0, None), "chunk_attn_layer")  # a pool of the model dtype
             return v.attn
         attend.keep = (loc, idx, desc)  # alive while the closure is
         return attend

@@ -31,7 +31,7 @@ from idleless.cache.kv_pool import KVPool
 from idleless.model.attention.base import AttentionBackend, AttnWork, BackendPlan, Tails
 from idleless.model.attention.decode import FusedDecodeAttention
 from idleless.model.attention.flash import PaddedFlashAttention
-from idleless.model.attention.invariant import ChunkedAttention, TorchChunkedAttention
+from idleless.model.attention.invariant import ChunkedAttention, QuantizedKVChunkedAttention, TorchChunkedAttention
 from idleless.model.attention.ragged import RaggedAmxAttention
 
 # A stretch shared by several requests becomes its own segment when it is at least this long (tokens);
@@ -164,8 +164,12 @@ class CompositeAttention:
         if deterministic:
             if sliding_window is not None:
                 raise ValueError("deterministic inference does not support sliding-window attention yet")
-            inv = ChunkedAttention(kern, num_heads, head_dim, int8_attention) if kern is not None else \
-                TorchChunkedAttention(num_heads, head_dim)
+            if pool.quantized and model_kern is not None:  # the step's rows dequantised once per layer
+                inv = QuantizedKVChunkedAttention(model_kern, num_heads, head_dim, int8_attention)
+            elif kern is not None:
+                inv = ChunkedAttention(kern, num_heads, head_dim, int8_attention)
+            else:
+                inv = TorchChunkedAttention(num_heads, head_dim)
             self.decode_backend = self.extend_backend = self.segment_backend = inv
             self.segment_align = inv.segment_align
         self._model_kernels = model_kern

@@ -125,6 +125,48 @@ class ChunkedAttention(AttentionBackend):
                                 out, state, store, self.int8_attention)
 
 
+@dataclass
+class GatheredPlan(BackendPlan):
+    """``QuantizedKVChunkedAttention``'s plan: the calls with their slots renumbered into ``slots``
+    (int64 [U]: the distinct pool slots the step's calls read, ascending)."""
+
+    slots: torch.Tensor = None
+
+
+class QuantizedKVChunkedAttention(ChunkedAttention):
+    """``ChunkedAttention`` over a quantised KV pool (int8 / fp8 codes with float32 scales,
+    ``idleless.quant.kv.QuantizedKV``); a row's output is a function of its query and keys alone, whatever
+    its batch, as with any pool. Where the kernels read the pool (``chunk_attn_q8``: the AVX-512 BF16 pair
+    paths) they take the codes in place: each row decoded as it is gathered into its exact bfloat16 values,
+    the scales applied as ``decode_attn_q8`` applies them (a key's to its scores, a value's to the
+    probabilities before they are rounded for P.V). Elsewhere ``prepare`` collects the distinct slots the
+    step's calls read and renumbers the calls into them, and ``forward`` dequantises those rows of the
+    layer once (``QuantizedKV.index_select``) and runs the kernel on them: bit for bit ``ChunkedAttention``
+    over a cache holding the dequantised values (the buffer holds one layer's keys of one step, gone after
+    the call). kernels: the ``CpuKernels`` of the model dtype."""
+
+    def __init__(self, kernels, num_heads: int, head_dim: int, int8_attention: bool = False):
+        super().__init__(kernels, num_heads, head_dim, int8_attention)
+        #: whether the kernels read the codes in place (else the step's rows are dequantised per layer)
+        self.in_place = kernels.chunk_attn_q8(head_dim)
+
+    def prepare(self, work: AttnWork) -> BackendPlan:
+        plan = super().prepare(work)
+        calls = plan.segments + plan.tails
+        if self.in_place or not calls:
+            return plan
+        slots, inverse = torch.unique(torch.cat([c.slots for c in calls]), return_inverse=True)
+        pieces = inverse.split([int(c.slots.numel()) for c in calls])
+        renumbered = [ChunkCall(c.key_offsets, s, c.row_offsets, c.rows, c.limits) for c, s in zip(calls, pieces)]
+        n_seg = len(plan.segments)
+        return GatheredPlan(renumbered[n_seg:], renumbered[:n_seg], slots)
+
+    def forward(self, q, kc, vc, layer_id, plan, out, lse):
+        if isinstance(plan, GatheredPlan):
+            kc, vc = kc.index_select(0, plan.slots), vc.index_select(0, plan.slots)
+        return super().forward(q, kc, vc, layer_id, plan, out, lse)
+
+
 class TorchChunkedAttention(ChunkedAttention):
     """``ChunkedAttention``'s algorithm in PyTorch ops (no kernels of ours): per item and chunk of CHUNK
     keys (padded to CHUNK, padding masked), float32 scores as an elementwise product summed over the
