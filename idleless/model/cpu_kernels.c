@@ -1232,29 +1232,6 @@ static inline __m512 q8_bf16_lo_ps(__m512i w) {
 static inline __m512 q8_bf16_hi_ps(__m512i w) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
 }
-/* float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 16 at a time */
-static inline __m256i q8_rd_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-static inline int64_t kv_read_q8_fast_bf16(const Q8Tabs *t, const uint8_t *c, float s, uint16_t *o, int64_t d) {
-    int64_t i = 0;
-    __m512 vs = _mm512_set1_ps(s);
-    for (; i + 64 <= d; i += 64) {
-        __m512i a, b;
-        q8_to_bf16_64(t, c + i, &a, &b);
-        _mm256_storeu_si256((__m256i *)(o + i), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(a), vs)));
-        _mm256_storeu_si256((__m256i *)(o + i + 16), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(a), vs)));
-        _mm256_storeu_si256((__m256i *)(o + i + 32), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(b), vs)));
-        _mm256_storeu_si256((__m256i *)(o + i + 48), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(b), vs)));
-    }
-    return i;
-}
 #endif
 /* A quantised KV pool as chunk_attn's pair paths read it (NULL: the caches hold values of the kernels' dtype):
  * codes k / v [num_slots, nkv, d] (one byte per element), scales ks / vs at [slot * ss + kv head] (ss = nkv:
@@ -3747,6 +3724,29 @@ static inline int64_t kv_read_q8_fast_f32(const Q8Tabs *t, const uint8_t *c, flo
         _mm512_storeu_ps(o + i + 16, _mm512_mul_ps(q8_bf16_hi_ps(a), vs));
         _mm512_storeu_ps(o + i + 32, _mm512_mul_ps(q8_bf16_lo_ps(b), vs));
         _mm512_storeu_ps(o + i + 48, _mm512_mul_ps(q8_bf16_hi_ps(b), vs));
+    }
+    return i;
+}
+/* float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 16 at a time */
+static inline __m256i q8_rd_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline int64_t kv_read_q8_fast_bf16(const Q8Tabs *t, const uint8_t *c, float s, uint16_t *o, int64_t d) {
+    int64_t i = 0;
+    __m512 vs = _mm512_set1_ps(s);
+    for (; i + 64 <= d; i += 64) {
+        __m512i a, b;
+        q8_to_bf16_64(t, c + i, &a, &b);
+        _mm256_storeu_si256((__m256i *)(o + i), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(a), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 16), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(a), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 32), q8_rd_bf16(_mm512_mul_ps(q8_bf16_lo_ps(b), vs)));
+        _mm256_storeu_si256((__m256i *)(o + i + 48), q8_rd_bf16(_mm512_mul_ps(q8_bf16_hi_ps(b), vs)));
     }
     return i;
 }
