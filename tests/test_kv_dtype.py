@@ -173,6 +173,14 @@ def test_quantized_pool_routing():
     assert det.extend_backend is det.decode_backend and det.segment_backend is det.decode_backend
     bare = CompositeAttention(pool, H, HKV, D, kernels=None, deterministic=True)  # no kernels: PyTorch's twin
     assert isinstance(bare.decode_backend, TorchChunkedAttention)
+    # chunk_attn refuses a quantised pair it cannot read, or a quantised K beside a plain V, before reading
+    k, v = pool.layer_kv(0)
+    one = torch.tensor([0, 1])
+    args = (one, torch.tensor([3]), one, torch.tensor([0]), None, D ** -0.5, torch.empty(1, H, D))
+    with pytest.raises(ValueError, match="bfloat16 kernels"):
+        kern.chunk_attn(torch.zeros(1, H, D), k, v, *args)
+    with pytest.raises(ValueError, match="both"):
+        kern.chunk_attn(torch.zeros(1, H, D), k, torch.zeros(64, HKV, D), *args)
 
 
 def _dequantised_reference(q, kq, vq, tables, extend, prefix):

@@ -556,7 +556,9 @@ class CpuKernels:
     def _attn_caches(self, q: torch.Tensor, k_cache, v_cache, name: str):
         """chunk_attn's caches: (K, V tensors for the layout checks, then the C arguments k, v, ks, vs, ss,
         lut): a ``QuantizedKV`` pair (where ``chunk_attn_q8``) or tensors of the kernels' dtype."""
-        if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
+        if isinstance(k_cache, torch.Tensor) != isinstance(v_cache, torch.Tensor):
+            raise ValueError(f"{name}: K and V must both be tensors or both quantised KV layers")
+        if not isinstance(k_cache, torch.Tensor):
             kd, vd, d = getattr(k_cache, "data", None), getattr(v_cache, "data", None), q.shape[-1]
             if kd is None or vd is None or not self.chunk_attn_q8(d) or k_cache.out_dtype != self.dtype:
                 raise ValueError(f"{name}: a quantised KV pool needs bfloat16 kernels with chunk_attn_q8({d})")
