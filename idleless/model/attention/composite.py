@@ -127,7 +127,9 @@ class CompositeAttention:
 
     A quantised KV pool (``KVPool.quantized``) is read in place by the fused decode kernel
     (``decode_attn_q8``) and by the PyTorch backends, which dequantise only the rows they gather
-    (``idleless.quant.kv``): padded flash for the rest, its chunked twin when deterministic.
+    (``idleless.quant.kv``): padded flash for the rest; when deterministic, by the chunked kernel
+    (``invariant.QuantizedKVChunkedAttention``: in place on AVX-512 BF16, else the step's rows
+    dequantised once per layer).
 
     deterministic: every part goes to the batch-invariant backend (``invariant.ChunkedAttention``, or
     its PyTorch twin without kernels), with shared segments aligned to its chunks, so a row's output
@@ -164,7 +166,7 @@ class CompositeAttention:
         if deterministic:
             if sliding_window is not None:
                 raise ValueError("deterministic inference does not support sliding-window attention yet")
-            if pool.quantized and model_kern is not None:  # the step's rows dequantised once per layer
+            if pool.quantized and model_kern is not None:  # the codes read in place, or the step's rows dequantised
                 inv = QuantizedKVChunkedAttention(model_kern, num_heads, head_dim, int8_attention)
             elif kern is not None:
                 inv = ChunkedAttention(kern, num_heads, head_dim, int8_attention)
