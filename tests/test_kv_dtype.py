@@ -607,3 +607,27 @@ def test_quantised_pool_merges_shared_prefixes_in_c(fmt):
     ref = _reference(q, pool, tables, [0, 1, 2], extend, prefix)
     assert (out.double() - ref).abs().max() < 2e-5
     assert (out - ref_torch).abs().max() < 1e-5
+
+
+def test_engine_int8_in_place_radix_chunked_retraction_match_a_cold_run(tmp_path):
+    """The same over an int8 cache read in place by the deterministic chunked kernel (a bfloat16 model with
+    head_dim 32: ``chunk_attn_q8``): radix hits, chunked prefill of 16 tokens and retractions give the cold
+    run's greedy tokens."""
+    from conftest import make_tiny_model
+    from idleless.cache.kv_pool import KVPool as _Pool
+
+    kern = cpu_kernels.load(torch.bfloat16)
+    if kern is None or not kern.chunk_attn_q8(32):
+        pytest.skip("these kernels do not read a quantised pool in place (no AVX-512 BF16)")
+    path = make_tiny_model(tmp_path, seed=4, hidden_size=128, head_dim=32, dtype=torch.bfloat16)
+    kw = dict(dtype="bfloat16", kv_cache_dtype="int8", enable_deterministic_inference=True)
+    cold, _, core = _engine_outputs(path, disable_radix_cache=True, **kw)
+    assert core.runner.backend.decode_backend.in_place
+    warm, cached, _ = _engine_outputs(path, **kw)
+    assert sum(cached[f"w1r{i}"] for i in range(6)) > 6 * 70
+    chunked, _, _ = _engine_outputs(path, chunked_prefill_size=16, **kw)
+    per_token = _Pool.bytes_per_token(2, 2, 32, torch.bfloat16, "int8")
+    small, _, core = _engine_outputs(path, kv_cache_memory=str(260 * per_token), disable_radix_cache=True, **kw)
+    assert core.scheduler.stats.num_retractions > 0
+    for name, got in (("radix", warm), ("chunked", chunked), ("retraction", small)):
+        assert got == cold, name
